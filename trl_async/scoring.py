@@ -1,0 +1,121 @@
+"""Reward scoring of finished groups, run in the trainer process on a background thread.
+
+It mirrors the *local* half of ``GRPOTrainer._calculate_rewards`` (custom functions, async functions, reward models,
+``None`` -> NaN, one value per completion) without its ``gather``: a collective must never run off the main thread.
+The trainer gathers the pre-computed rows on the main thread when it consumes the groups, and GRPOTrainer's own code
+turns them into advantages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import transformers
+from packaging.version import Version
+from torch import nn
+from trl.chat_template_utils import parse_response
+from trl.data_utils import apply_chat_template, is_conversational
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised or returned something unusable; the message names it and shows the input."""
+
+
+def decode_completions(tokenizer, prompt_ids: Sequence[Sequence[int]], completion_ids, conversational: bool) -> list:
+    """Decode completions exactly as ``GRPOTrainer._generate`` does (no tools)."""
+    if conversational:
+        if Version(transformers.__version__) >= Version("5.0.0") and (
+            getattr(tokenizer, "response_template", None) is not None
+            or getattr(tokenizer, "response_schema", None) is not None
+        ):
+            return [
+                [parse_response(tokenizer, list(ids), prefix=list(prompt_ids[i]), tools=None)]
+                for i, ids in enumerate(completion_ids)
+            ]
+        contents = tokenizer.batch_decode([list(c) for c in completion_ids], skip_special_tokens=True)
+        return [[{"role": "assistant", "content": content}] for content in contents]
+    return tokenizer.batch_decode([list(c) for c in completion_ids], skip_special_tokens=True)
+
+
+def _as_rewards(values, name: str, expected: int, prompts, completions) -> list[float]:
+    values = list(values)
+    if len(values) != expected:
+        raise RewardFunctionError(
+            f"The reward function '{name}' returned {len(values)} rewards, but {expected} were expected (one per "
+            f"prompt-completion pair). First prompt: {prompts[0]!r}"
+        )
+    return [torch.nan if v is None else float(v) for v in values]
+
+
+class RewardScorer:
+    """Scores rows with the trainer's reward functions, collecting ``log_extra``/``log_metric`` calls per call."""
+
+    def __init__(
+        self,
+        reward_funcs: Sequence[Any],
+        reward_processing_classes: Sequence[Any],
+        reward_func_names: Sequence[str],
+        chat_template_kwargs: dict,
+        device: torch.device,
+        trainer_state: Callable[[], Any],
+    ) -> None:
+        self.reward_funcs = list(reward_funcs)
+        self.reward_processing_classes = list(reward_processing_classes)
+        self.reward_func_names = list(reward_func_names)
+        self.chat_template_kwargs = chat_template_kwargs
+        self.device = device
+        self.trainer_state = trainer_state
+
+    def score(self, rows: list[dict], completions: list, completion_ids: list) -> tuple[torch.Tensor, dict, dict]:
+        """Returns ``rewards_NF`` (rows x reward functions, NaN where a function returned None), the extra columns
+        and the metrics that reward functions logged during this call."""
+        prompts = [row["prompt"] for row in rows]
+        extra_logs: dict[str, list] = defaultdict(list)
+        metrics: dict[str, list] = defaultdict(list)
+        keys = [k for k in rows[0] if k not in ("prompt", "completion", "completion_ids")]
+        kwargs = {k: [row[k] for row in rows] for k in keys}
+        kwargs["trainer_state"] = self.trainer_state()
+        kwargs["log_extra"] = lambda column, values: extra_logs[column].extend(values)
+        kwargs["log_metric"] = lambda name, value: metrics[name].append(value)
+        completion_ids = [list(c) for c in completion_ids]
+
+        rewards = torch.zeros(len(rows), len(self.reward_funcs))
+        for i, (func, proc, name) in enumerate(
+            zip(self.reward_funcs, self.reward_processing_classes, self.reward_func_names, strict=True)
+        ):
+            try:
+                if isinstance(func, nn.Module):
+                    rewards[:, i] = self._score_model(func, proc, prompts, completions)
+                    continue
+                out = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+                if inspect.isawaitable(out):
+                    out = asyncio.run(_await(out))
+                rewards[:, i] = torch.tensor(_as_rewards(out, name, len(rows), prompts, completions))
+            except RewardFunctionError:
+                raise
+            except Exception as exc:
+                raise RewardFunctionError(
+                    f"The reward function '{name}' raised {type(exc).__name__}: {exc}\n"
+                    f"  while scoring prompt {prompts[0]!r}\n  first completion {completions[0]!r}"
+                ) from exc
+        return rewards, dict(extra_logs), dict(metrics)
+
+    def _score_model(self, model: nn.Module, tokenizer, prompts: list, completions: list) -> torch.Tensor:
+        if is_conversational({"prompt": prompts[0]}):
+            messages = [{"messages": p + c} for p, c in zip(prompts, completions, strict=True)]
+            texts = [apply_chat_template(x, tokenizer, **self.chat_template_kwargs)["text"] for x in messages]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions, strict=True)]
+        inputs = tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+        inputs = {k: v.to(self.device) for k, v in inputs.items()}
+        with torch.inference_mode():
+            return model(**inputs).logits[:, 0].float().cpu()
+
+
+async def _await(awaitable):
+    return await awaitable

@@ -1,0 +1,370 @@
+"""``AsyncGRPOTrainer``: GRPOTrainer whose generation runs in background rollout workers.
+
+Only GRPOTrainer's generation seam is replaced. In training, ``_generate_and_score_completions`` takes the next
+generation batch of finished, already-scored groups from the rollout pool and hands them to GRPOTrainer's own code
+through three narrow overrides: ``_generate_single_turn`` (returns the workers' completions and behaviour log-probs
+instead of generating), ``_calculate_rewards`` (returns the rewards the pool scored in the background, gathered on the
+main thread) and ``_compute_loss`` (makes GRPOTrainer's ``importance_sampling_ratio`` seam active). Padding, masks,
+the reference model, advantages, logging and the loss itself stay GRPOTrainer's. Evaluation generates synchronously
+with the trainer's weights, exactly as GRPOTrainer does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Iterator
+
+import torch
+from accelerate.utils import gather, is_peft_model
+from datasets import IterableDataset
+from transformers import TrainerCallback
+from transformers.utils import logging
+from trl import GRPOTrainer
+from trl.data_utils import is_conversational
+from trl.models.utils import disable_gradient_checkpointing
+
+from .config import async_fields_of
+from .correction import masked_mean, truncated_importance_weights
+from .prompts import PromptStream
+from .records import RolloutGroup
+from .rollout_pool import PoolSettings, RolloutPool, ScoredGroup
+from .scoring import RewardScorer, decode_completions
+from .worker import WorkerSpec
+
+logger = logging.get_logger(__name__)
+
+
+class _PublishWeights(TrainerCallback):
+    """After every ``weight_sync_steps``-th optimizer step, publish the trainer's weights as a new version."""
+
+    def __init__(self, trainer: AsyncGRPOTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer._maybe_publish_weights()
+
+
+class AsyncGRPOTrainer(GRPOTrainer):
+    """Drop-in ``trl.GRPOTrainer`` with asynchronous generation. Same constructor; configure it with
+    ``AsyncGRPOConfig`` (a plain ``GRPOConfig`` works, with the async defaults)."""
+
+    _tag_names = ["trl", "grpo", "trl_async"]
+
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        tools=None,
+        rollout_func=None,
+        environment_factory=None,
+    ):
+        for name, value in (("tools", tools), ("rollout_func", rollout_func), ("environment_factory", environment_factory)):
+            if value:
+                raise NotImplementedError(
+                    f"AsyncGRPOTrainer does not support `{name}` yet: multi-turn and custom rollouts need the rollout "
+                    f"workers to run them. Use trl.GRPOTrainer for `{name}`."
+                )
+        if args is not None and getattr(args, "use_vllm", False):
+            raise ValueError(
+                "AsyncGRPOTrainer generates in its own rollout workers: leave `use_vllm=False` and choose the engine "
+                "with `AsyncGRPOConfig.rollout_backend`."
+            )
+        if isinstance(train_dataset, IterableDataset):
+            raise NotImplementedError(
+                "AsyncGRPOTrainer needs a map-style `train_dataset` (rollout workers read prompts ahead of the trainer "
+                "by index); convert it with `Dataset.from_generator` or `datasets.Dataset.from_list`."
+            )
+        super().__init__(
+            model=model,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+        )
+        self.async_args = async_fields_of(self.args)
+        self._check_async_supported()
+        gen_batch = self.args.generation_batch_size
+        self._groups_per_batch = gen_batch // self.num_generations
+        per_batch = self.args.steps_per_generation * self.num_iterations
+        self._steps_per_batch = per_batch // self.args.gradient_accumulation_steps
+        queue_default = (self.async_args.max_staleness // self._steps_per_batch + 1) * self._groups_per_batch
+        self._queue_size = self.async_args.rollout_queue_size or queue_default
+        if self._queue_size < self._groups_per_batch:
+            raise ValueError(
+                f"AsyncGRPOConfig.rollout_queue_size={self._queue_size} is smaller than one generation batch "
+                f"({self._groups_per_batch} groups = generation_batch_size // num_generations): the trainer could never "
+                f"get a full batch. Set rollout_queue_size >= {self._groups_per_batch} or leave it None."
+            )
+        workers = self.async_args.num_rollout_workers
+        self._rollout_batch_groups = self.async_args.rollout_batch_groups or math.ceil(self._groups_per_batch / workers)
+        self._pool: RolloutPool | None = None
+        self._consuming: list[ScoredGroup] | None = None
+        self.add_callback(_PublishWeights(self))
+
+    def _check_async_supported(self) -> None:
+        if self.accelerator.num_processes > 1:
+            raise NotImplementedError(
+                "AsyncGRPOTrainer runs on one training process for now; multi-process (DDP/DeepSpeed) support is "
+                "tracked separately. Launch with a single process."
+            )
+        if self._is_vlm:
+            raise NotImplementedError("AsyncGRPOTrainer does not support vision-language models (image inputs) yet.")
+        per_batch = self.args.steps_per_generation * self.num_iterations
+        if per_batch % self.args.gradient_accumulation_steps != 0:
+            raise ValueError(
+                f"steps_per_generation * num_iterations ({per_batch}) must be a multiple of "
+                f"gradient_accumulation_steps ({self.args.gradient_accumulation_steps}) so that every generation batch "
+                "is consumed at one policy version; set steps_per_generation to a multiple of it."
+            )
+        if self.async_args.rollout_device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(
+                f"AsyncGRPOConfig.rollout_device={self.async_args.rollout_device!r} but CUDA is not available; "
+                "use rollout_device='cpu'."
+            )
+        if self.args.use_transformers_continuous_batching:
+            logger.warning("use_transformers_continuous_batching is ignored: rollout workers use `generate`.")
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------------
+    def train(self, *args, **kwargs):
+        """``Trainer.train``; every rollout worker is stopped and joined when it returns or raises."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.close_rollouts()
+
+    def close_rollouts(self) -> None:
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            pool.close()
+
+    @property
+    def rollout_pool(self) -> RolloutPool | None:
+        return self._pool
+
+    def _start_pool(self) -> RolloutPool:
+        args, a = self.args, self.async_args
+        model = self.accelerator.unwrap_model(self.model)
+        base = model.get_base_model() if is_peft_model(model) else model
+        start_version = self.state.global_step
+        specs = [
+            WorkerSpec(
+                worker_id=i,
+                model_class=type(base),
+                model_config=base.config,
+                dtype=next(base.parameters()).dtype,
+                device=a.rollout_device,
+                generation_config=self.generation_config,
+                num_generations=self.num_generations,
+                eos_token_ids=tuple(self.eos_token_ids),
+                pad_token_id=self._tokenizer.pad_token_id,
+                batch_groups=self._rollout_batch_groups,
+                weight_update=a.rollout_weight_update,
+                torch_threads=a.rollout_torch_threads,
+                seed=args.seed + 1 + i + 100_003 * start_version,
+                verify_weights=a.rollout_verify_weights,
+            )
+            for i in range(a.num_rollout_workers)
+        ]
+        settings = PoolSettings(
+            groups_per_batch=self._groups_per_batch,
+            steps_per_batch=self._steps_per_batch,
+            max_staleness=a.max_staleness,
+            queue_size=self._queue_size,
+            timeout_s=a.rollout_timeout_s,
+            start_version=start_version,
+            verify_weights=a.rollout_verify_weights,
+        )
+        prompts = PromptStream(
+            len(self.train_dataset),
+            self._groups_per_batch,
+            shuffle=self.shuffle_dataset,
+            seed=args.seed,
+            skip_batches=start_version // self._steps_per_batch,
+        )
+        with self._policy_tensors() as named:
+            initial = dict(named)
+            return RolloutPool(specs, initial, settings, prompts, self._make_tokenize_row(), self._make_score_group())
+
+    # ---- weights -------------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _policy_tensors(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The policy's tensors under the worker model's names. For PEFT, adapters are merged for the duration and
+        unmerged afterwards, so the tensors must be copied before the context exits."""
+        model = self.accelerator.unwrap_model(self.model)
+        if not is_peft_model(model):
+            yield [*model.named_parameters(), *model.named_buffers()]
+            return
+        model.merge_adapter()
+        try:
+            named = []
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                if "lora_" in name or ".original_module." in name:
+                    continue
+                name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+                named.append((name.replace(".modules_to_save.default.", "."), tensor))
+            yield named
+        finally:
+            model.unmerge_adapter()
+
+    def _maybe_publish_weights(self) -> None:
+        step = self.state.global_step
+        if self._pool is None or step % self.async_args.weight_sync_steps != 0:
+            return
+        with self._policy_tensors() as named:
+            seconds = self._pool.publish(named, step)
+        self._metrics["train"]["async/weight_sync_s"].append(seconds)
+
+    # ---- background helpers (run on the pool's threads; no collectives, own tokenizer copies) ----------------------
+    def _make_tokenize_row(self):
+        tokenizer = copy.deepcopy(self.processing_class)
+        dataset, chat_template, template_kwargs = self.train_dataset, self.chat_template, self.chat_template_kwargs
+
+        def tokenize_row(index: int) -> tuple[int, ...]:
+            prompt = dataset[index]["prompt"]
+            if is_conversational({"prompt": prompt}):
+                out = tokenizer.apply_chat_template(
+                    conversation=[prompt],
+                    chat_template=chat_template,
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=True,
+                    **template_kwargs,
+                )
+                return tuple(out["input_ids"][0])
+            return tuple(tokenizer(text=[prompt])["input_ids"][0])
+
+        return tokenize_row
+
+    def _make_score_group(self):
+        tokenizer = copy.deepcopy(self.processing_class)
+        scorer = RewardScorer(
+            self.reward_funcs,
+            self.reward_processing_classes,
+            self.reward_func_names,
+            self.chat_template_kwargs,
+            self.accelerator.device,
+            trainer_state=lambda: self.state,
+        )
+        dataset, group_size = self.train_dataset, self.num_generations
+
+        def score_group(group: RolloutGroup) -> ScoredGroup:
+            row = dataset[group.prompt_index]
+            conversational = is_conversational({"prompt": row["prompt"]})
+            prompt_ids = [group.prompt_ids] * group_size
+            completions = decode_completions(tokenizer, prompt_ids, group.completion_ids, conversational)
+            rewards, extra_logs, metrics = scorer.score([row] * group_size, completions, list(group.completion_ids))
+            return ScoredGroup(group, 0, rewards, extra_logs, metrics)
+
+        return score_group
+
+    # ---- the generation seam ---------------------------------------------------------------------------------------
+    def _generate_and_score_completions(self, inputs):
+        if not self.model.training:
+            return super()._generate_and_score_completions(inputs)
+        if self._pool is None:
+            self._pool = self._start_pool()
+        groups, stats = self._pool.take(self._groups_per_batch, self.state.global_step)
+        rows = [self.train_dataset[g.group.prompt_index] for g in groups for _ in range(self.num_generations)]
+        self._forward_reward_logs(groups)
+        self._consuming = groups
+        try:
+            output = super()._generate_and_score_completions(rows)
+        finally:
+            self._consuming = None
+        self._add_off_policy_inputs(output)
+        metrics = self._metrics["train"]
+        metrics["async/staleness_mean"].append(sum(stats.staleness) / len(stats.staleness))
+        metrics["async/staleness_max"].append(max(stats.staleness))
+        metrics["async/queue_size"].append(stats.queue_size)
+        metrics["async/trainer_wait_s"].append(stats.wait_s)
+        metrics["async/dropped_stale"].append(stats.dropped_samples_total)
+        metrics["async/gen_tokens_per_s"].append(stats.gen_tokens_per_s)
+        return output
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if self._consuming is None:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        groups = [g.group for g in self._consuming]
+        expected = [list(g.prompt_ids) for g in groups for _ in range(self.num_generations)]
+        if [list(p) for p in prompt_ids] != expected:
+            raise RuntimeError(
+                "the rollout workers tokenized a prompt differently from GRPOTrainer; refusing to train on "
+                "completions of a different prompt"
+            )
+        completion_ids = [list(c) for g in groups for c in g.completion_ids]
+        logprobs = [list(lp) for g in groups for lp in g.logprobs]
+        return completion_ids, logprobs
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        if self._consuming is None:
+            return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        local = torch.cat([g.rewards for g in self._consuming]).to(self.accelerator.device)
+        return gather(local)  # main thread: GRPOTrainer normalises advantages over the gathered rewards
+
+    def _forward_reward_logs(self, groups: list[ScoredGroup]) -> None:
+        """Hand what reward functions logged (via ``log_extra``/``log_metric``) during background scoring to
+        GRPOTrainer's buffers, aligned with the rows of this batch."""
+        columns = sorted({c for g in groups for c in g.extra_logs})
+        for column in columns:
+            for g in groups:
+                values = g.extra_logs.get(column, [None] * self.num_generations)
+                self._pending_extra_logs[column].extend(values)
+        for g in groups:
+            for name, values in g.metrics.items():
+                self._pending_metrics[name].extend(values)
+
+    # ---- off-policy correction -----------------------------------------------------------------------------------
+    def _add_off_policy_inputs(self, output: dict) -> None:
+        """Set ``old_per_token_logps`` = pi_prox (the trainer's policy now, one forward pass) and the staleness weight
+        ``importance_sampling_ratio`` = f(pi_prox / mu) that GRPOTrainer's loss multiplies in."""
+        if self.async_args.off_policy_correction == "none":
+            return
+        mask = output["completion_mask"]
+        if output.get("old_per_token_logps") is None:
+            prompt_completion_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+            attention_mask = torch.cat([output["prompt_mask"], mask], dim=1)
+            with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+                output["old_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
+                    self.model,
+                    prompt_completion_ids,
+                    attention_mask,
+                    output["completion_ids"].size(1),
+                    batch_size=self.args.per_device_train_batch_size,
+                )
+        prox, behaviour = output["old_per_token_logps"], output["sampling_per_token_logps"]
+        weights = truncated_importance_weights(prox, behaviour, mask, self.async_args.importance_sampling_cap)
+        output["importance_sampling_ratio"] = weights
+        raw = torch.exp((prox - behaviour).clamp(-20, 20))
+        metrics = self._metrics["train"]
+        metrics["is/ratio_mean"].append(masked_mean(raw, mask).item())
+        metrics["is/truncated_frac"].append(masked_mean((raw > self.async_args.importance_sampling_cap).float(), mask).item())
+
+    def _compute_loss(self, model, inputs):
+        # GRPOTrainer multiplies `importance_sampling_ratio` into the per-token loss only when
+        # `use_vllm and vllm_importance_sampling_correction`. Our staleness weight goes through that same seam, so
+        # switch it on for this call only (nothing else in `_compute_loss` reads `use_vllm`).
+        if "importance_sampling_ratio" not in inputs:
+            return super()._compute_loss(model, inputs)
+        saved = self.use_vllm, self.vllm_importance_sampling_correction
+        self.use_vllm, self.vllm_importance_sampling_correction = True, True
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self.use_vllm, self.vllm_importance_sampling_correction = saved

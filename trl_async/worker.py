@@ -1,0 +1,195 @@
+"""Rollout worker: a background OS process with its own copy of the policy that turns ``RolloutTask``s into
+``RolloutGroup``s with ``model.generate``.
+
+Every completion token carries the policy version whose forward pass produced its logits and its log-probability under
+the distribution actually sampled from (GenerationConfig's processors and warpers applied: temperature, top-k, top-p,
+min-p, repetition penalty). The worker knows nothing about rewards, datasets or the trainer: it only imports the
+records and the weight transport.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from queue import Empty
+from typing import Any
+
+import torch
+
+from .records import RolloutGroup, RolloutTask, WeightsAdopted, WorkerFailed, WorkerReady
+from .weights import SharedMemoryWeights, weights_digest
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to build its policy copy and generate like GRPOTrainer would."""
+
+    worker_id: int
+    model_class: type
+    model_config: Any  # transformers PretrainedConfig
+    dtype: torch.dtype
+    device: str
+    generation_config: Any  # transformers GenerationConfig (GRPOTrainer's own)
+    num_generations: int
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+    batch_groups: int
+    weight_update: str  # "batch" | "decode_step"
+    torch_threads: int
+    seed: int
+    verify_weights: bool
+
+
+class _DecodeStepHook:
+    """A logits processor that changes nothing: it records, per decode step, the version of the weights whose forward
+    produced the logits, and (in-flight mode) adopts newer weights afterwards, so the next step uses them."""
+
+    def __init__(self, current_version: Callable[[], int], between_steps: Callable[[], None] | None) -> None:
+        self.current_version = current_version
+        self.between_steps = between_steps
+        self.step_versions: list[int] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.step_versions.append(self.current_version())
+        if self.between_steps is not None:
+            self.between_steps()
+        return scores
+
+
+def generate_groups(
+    model: torch.nn.Module,
+    tasks: Sequence[RolloutTask],
+    generation_config: Any,
+    num_generations: int,
+    eos_token_ids: Sequence[int],
+    pad_token_id: int,
+    current_version: Callable[[], int],
+    between_steps: Callable[[], None] | None = None,
+    worker_id: int = 0,
+) -> list[RolloutGroup]:
+    """Generate ``num_generations`` completions for each task in one ``generate`` call.
+
+    Completions are cut after their first EOS (kept), as GRPOTrainer does. ``logprobs`` are behaviour log-probs (mu)
+    taken from the processed scores, i.e. from the distribution the token was sampled from.
+    """
+    from transformers import LogitsProcessorList
+
+    device = next(model.parameters()).device
+    rows = [list(task.prompt_ids) for task in tasks for _ in range(num_generations)]
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):  # left padding
+        input_ids[i, width - len(r) :] = torch.tensor(r)
+        attention_mask[i, width - len(r) :] = 1
+
+    config = copy.deepcopy(generation_config)
+    config.output_scores = True
+    config.return_dict_in_generate = True
+    hook = _DecodeStepHook(current_version, between_steps)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            generation_config=config,
+            logits_processor=LogitsProcessorList([hook]),
+        )
+    elapsed = time.perf_counter() - start
+    tokens_NT = out.sequences[:, width:].cpu()
+    scores_NTV = torch.stack(out.scores, dim=1).float().cpu()  # processed logits of each step
+    logprobs_NT = torch.log_softmax(scores_NTV, dim=-1).gather(-1, tokens_NT.unsqueeze(-1)).squeeze(-1)
+    if len(hook.step_versions) != tokens_NT.size(1):
+        raise RuntimeError(f"decode hook saw {len(hook.step_versions)} steps for {tokens_NT.size(1)} tokens")
+
+    eos = torch.tensor(list(eos_token_ids))
+    completions, logps, versions = [], [], []
+    for i in range(len(rows)):
+        toks = tokens_NT[i].tolist()
+        is_eos = torch.isin(tokens_NT[i], eos).nonzero()
+        length = int(is_eos[0]) + 1 if len(is_eos) else len(toks)
+        completions.append(tuple(toks[:length]))
+        logps.append(tuple(logprobs_NT[i, :length].tolist()))
+        versions.append(tuple(hook.step_versions[:length]))
+
+    groups = []
+    for g, task in enumerate(tasks):
+        span = slice(g * num_generations, (g + 1) * num_generations)
+        groups.append(
+            RolloutGroup(
+                group_id=task.group_id,
+                prompt_index=task.prompt_index,
+                prompt_ids=task.prompt_ids,
+                completion_ids=tuple(completions[span]),
+                logprobs=tuple(logps[span]),
+                versions=tuple(versions[span]),
+                worker_id=worker_id,
+                generate_s=elapsed,
+            )
+        )
+    return groups
+
+
+def build_policy_copy(spec: WorkerSpec) -> torch.nn.Module:
+    model = spec.model_class(spec.model_config)
+    return model.to(device=spec.device, dtype=spec.dtype).eval()
+
+
+def worker_main(spec: WorkerSpec, weights: SharedMemoryWeights, task_queue, result_queue) -> None:
+    """Process entry point. Stops on a ``None`` task; reports any exception as ``WorkerFailed`` and exits."""
+    try:
+        torch.set_num_threads(spec.torch_threads)
+        torch.manual_seed(spec.seed)
+        model = build_policy_copy(spec)
+        named = dict(model.named_parameters())
+        named.update(model.named_buffers())
+        params = {name: named[name] for name in weights.tensors}  # KeyError names a mismatch early
+        state = {"version": -1}
+
+        def adopt() -> None:
+            new_version = weights.pull_into(params, state["version"])
+            if new_version is not None:
+                state["version"] = new_version
+                digest = weights_digest(params.items()) if spec.verify_weights else None
+                result_queue.put(WeightsAdopted(spec.worker_id, new_version, digest))
+
+        while weights.version < 0:  # the trainer publishes before starting workers; this is a guard
+            time.sleep(0.01)
+        adopt()
+        result_queue.put(WorkerReady(spec.worker_id, os.getpid()))
+        in_flight = adopt if spec.weight_update == "decode_step" else None
+        while True:
+            task = task_queue.get()
+            if task is None:
+                return
+            tasks, stop = [task], False
+            while len(tasks) < spec.batch_groups:
+                try:
+                    nxt = task_queue.get_nowait()
+                except Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                tasks.append(nxt)
+            adopt()
+            for group in generate_groups(
+                model,
+                tasks,
+                spec.generation_config,
+                spec.num_generations,
+                spec.eos_token_ids,
+                spec.pad_token_id,
+                current_version=lambda: state["version"],
+                between_steps=in_flight,
+                worker_id=spec.worker_id,
+            ):
+                result_queue.put(group)
+            if stop:
+                return
+    except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
+        result_queue.put(WorkerFailed(spec.worker_id, traceback.format_exc()))
