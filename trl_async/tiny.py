@@ -58,10 +58,10 @@ def build_tiny_model(
     return model
 
 
-def save_tiny_model(path: str | Path, **model_kwargs) -> Path:
+def save_tiny_model(path: str | Path, chars: str = DEFAULT_CHARS, **model_kwargs) -> Path:
     """Build and save a tiny model and its tokenizer under ``path``; returns the path (loadable by name)."""
     path = Path(path)
-    tokenizer = build_char_tokenizer()
+    tokenizer = build_char_tokenizer(chars)
     model = build_tiny_model(tokenizer, **model_kwargs)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

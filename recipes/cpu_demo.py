@@ -1,0 +1,113 @@
+"""CPU demo: asynchronous GRPO on a tiny model built locally (no hub, no GPU), on a small verifiable task.
+
+Task ("spelling"): whatever the prompt (``"write ab:"`` ...), the verifier rewards completions that spell the target
+word ``bead`` position by position and then stop; it only compares strings, nothing generated is executed. A randomly
+initialised 2-layer model starts near 0 and gets it right within about a minute on 2 CPU cores. The script prints the
+greedy reward over the prompts before and after training, and a summary of the run (staleness, drops, time).
+
+Launch (the README's main job):
+    python recipes/cpu_demo.py
+    python recipes/cpu_demo.py --max_steps 200 --max_staleness 2 --rollout_weight_update decode_step
+Any AsyncGRPOConfig field can be given on the command line (parsed with TRL's ``TrlParser``).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from trl import TrlParser  # noqa: E402
+
+from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
+from trl_async.tiny import save_tiny_model  # noqa: E402
+
+TARGET = "bead"
+VOCAB = "abcdefgh" + "write :"
+
+
+def spelling_reward(prompts, completions, **kwargs) -> list[float]:
+    """Verifier: 0.2 per position where the completion matches the target word, plus 0.2 for stopping right after it
+    (so a perfect completion scores 1.0). It only compares strings; nothing generated is executed."""
+    rewards = []
+    for completion in completions:
+        score = sum(a == b for a, b in zip(completion, TARGET))
+        score += completion == TARGET
+        rewards.append(score / (len(TARGET) + 1))
+    return rewards
+
+
+def make_dataset(n: int = 16) -> Dataset:
+    return Dataset.from_list([{"prompt": f"write {'abcdefgh'[i % 8]}{'abcdefgh'[i // 8]}:"} for i in range(n)])
+
+
+@torch.no_grad()
+def greedy_reward(model_dir: str, prompts: list[str], max_new_tokens: int) -> float:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    completions = tokenizer.batch_decode(out[:, batch["input_ids"].size(1) :], skip_special_tokens=True)
+    return sum(spelling_reward(prompts, completions)) / len(prompts)
+
+
+def main(args: AsyncGRPOConfig) -> dict:
+    torch.set_num_threads(1)
+    work = tempfile.mkdtemp(prefix="trl_async_demo_")
+    model_dir = str(save_tiny_model(os.path.join(work, "tiny-char-qwen2"), hidden_size=64, num_layers=2, chars=VOCAB))
+    dataset = make_dataset()
+    before = greedy_reward(model_dir, list(dataset["prompt"]), args.max_completion_length)
+    trainer = AsyncGRPOTrainer(
+        model=model_dir, reward_funcs=spelling_reward, args=args, train_dataset=dataset
+    )
+    start = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - start
+    trainer.save_model(os.path.join(work, "final"))
+    after = greedy_reward(os.path.join(work, "final"), list(dataset["prompt"]), args.max_completion_length)
+    logs = [h for h in trainer.state.log_history if "async/staleness_max" in h]
+    summary = {
+        "greedy_reward_before": round(before, 3),
+        "greedy_reward_after": round(after, 3),
+        "train_seconds": round(seconds, 1),
+        "steps": trainer.state.global_step,
+        "max_observed_staleness": max(h["async/staleness_max"] for h in logs),
+        "dropped_stale_samples": logs[-1]["async/dropped_stale"],
+    }
+    print("\n=== trl_async CPU demo ===")
+    for key, value in summary.items():
+        print(f"{key:>26}: {value}")
+    return summary
+
+
+DEMO_DEFAULTS = dict(
+    output_dir="outputs/cpu_demo",
+    max_steps=400,
+    learning_rate=3e-3,
+    per_device_train_batch_size=32,
+    num_generations=8,
+    max_completion_length=6,
+    temperature=1.0,
+    beta=0.0,
+    logging_steps=50,
+    save_strategy="no",
+    report_to=[],
+    bf16=False,
+    use_cpu=True,
+    gradient_checkpointing=False,
+    max_staleness=1,
+    num_rollout_workers=1,
+    seed=0,
+)
+
+if __name__ == "__main__":
+    parser = TrlParser(AsyncGRPOConfig)
+    parser.set_defaults(**DEMO_DEFAULTS)
+    (config,) = parser.parse_args_and_config()
+    main(config)
