@@ -63,9 +63,7 @@ def main(args: AsyncGRPOConfig) -> dict:
     model_dir = str(save_tiny_model(os.path.join(work, "tiny-char-qwen2"), hidden_size=64, num_layers=2, chars=VOCAB))
     dataset = make_dataset()
     before = greedy_reward(model_dir, list(dataset["prompt"]), args.max_completion_length)
-    trainer = AsyncGRPOTrainer(
-        model=model_dir, reward_funcs=spelling_reward, args=args, train_dataset=dataset
-    )
+    trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=spelling_reward, args=args, train_dataset=dataset)
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start

@@ -25,60 +25,79 @@ class AsyncFields:
 
     rollout_backend: Literal["transformers"] = field(
         default="transformers",
-        metadata={"help": "Generation engine of the rollout workers. 'transformers': background processes that run "
-                  "`model.generate` on their own copy of the policy."},
+        metadata={
+            "help": "Generation engine of the rollout workers. 'transformers': background processes that run "
+            "`model.generate` on their own copy of the policy."
+        },
     )
     num_rollout_workers: int = field(
         default=1, metadata={"help": "Number of background rollout worker processes (each holds a policy copy)."}
     )
     rollout_device: str = field(
         default="cpu",
-        metadata={"help": "Device the rollout workers generate on, e.g. 'cpu' or 'cuda:1' (a GPU the trainer does not "
-                  "use)."},
+        metadata={
+            "help": "Device the rollout workers generate on, e.g. 'cpu' or 'cuda:1' (a GPU the trainer does not use)."
+        },
     )
     max_staleness: int = field(
         default=1,
-        metadata={"help": "Staleness tolerance: the most optimizer steps a consumed token's policy version may lag the "
-                  "trainer. 0 gives synchronous GRPO semantics. Older samples are dropped, never trained on."},
+        metadata={
+            "help": "Staleness tolerance: the most optimizer steps a consumed token's policy version may lag the "
+            "trainer. 0 gives synchronous GRPO semantics. Older samples are dropped, never trained on."
+        },
     )
     rollout_batch_groups: int | None = field(
         default=None,
-        metadata={"help": "Rollout batch size: prompt groups a worker generates in one `generate` call. Default: one "
-                  "generation batch split evenly over the workers."},
+        metadata={
+            "help": "Rollout batch size: prompt groups a worker generates in one `generate` call. Default: one "
+            "generation batch split evenly over the workers."
+        },
     )
     weight_sync_steps: int = field(
         default=1,
-        metadata={"help": "Weight-sync frequency: publish the trainer's weights to the workers every this many "
-                  "optimizer steps. Must be <= max_staleness + 1."},
+        metadata={
+            "help": "Weight-sync frequency: publish the trainer's weights to the workers every this many "
+            "optimizer steps. Must be <= max_staleness + 1."
+        },
     )
     rollout_queue_size: int | None = field(
         default=None,
-        metadata={"help": "Most groups queued or in flight at once (memory bound, backpressure). Default: what "
-                  "admission control allows, (max_staleness // steps_per_batch + 1) generation batches."},
+        metadata={
+            "help": "Most groups queued or in flight at once (memory bound, backpressure). Default: what "
+            "admission control allows, (max_staleness // steps_per_batch + 1) generation batches."
+        },
     )
     rollout_weight_update: Literal["batch", "decode_step"] = field(
         default="batch",
-        metadata={"help": "When a worker adopts new weights: 'batch' between generate calls, or 'decode_step' between "
-                  "decode steps (in-flight; one completion may then carry tokens of several versions)."},
+        metadata={
+            "help": "When a worker adopts new weights: 'batch' between generate calls, or 'decode_step' between "
+            "decode steps (in-flight; one completion may then carry tokens of several versions)."
+        },
     )
     rollout_torch_threads: int = field(default=1, metadata={"help": "torch threads per rollout worker process."})
     rollout_timeout_s: float = field(
         default=300.0,
-        metadata={"help": "Longest the trainer waits for rollouts before raising an error that says what it waited "
-                  "for (includes worker start-up for the first batch)."},
+        metadata={
+            "help": "Longest the trainer waits for rollouts before raising an error that says what it waited "
+            "for (includes worker start-up for the first batch)."
+        },
     )
     off_policy_correction: Literal["tis", "none"] = field(
         default="tis",
-        metadata={"help": "Staleness correction: 'tis' multiplies the per-token loss by min(pi_prox/mu, "
-                  "importance_sampling_cap); 'none' treats stale samples as on-policy (ablation only)."},
+        metadata={
+            "help": "Staleness correction: 'tis' multiplies the per-token loss by min(pi_prox/mu, "
+            "importance_sampling_cap); 'none' treats stale samples as on-policy (ablation only)."
+        },
     )
     importance_sampling_cap: float = field(
         default=2.0, metadata={"help": "Truncation cap C of the importance weight min(pi_prox/mu, C)."}
     )
     rollout_verify_weights: bool = field(
         default=False,
-        metadata={"help": "Debug aid: workers hash the weights they adopt and the trainer checks every hash against "
-                  "the weights it published (one hash of the model per sync on each side)."},
+        metadata={
+            "help": "Debug aid: workers hash the weights they adopt and the trainer checks every hash against "
+            "the weights it published (one hash of the model per sync on each side)."
+        },
     )
 
     def validate_async_fields(self) -> None:
@@ -86,35 +105,67 @@ class AsyncFields:
             if not ok:
                 raise ValueError(f"AsyncGRPOConfig.{name}={getattr(self, name)!r} is invalid: {fix}")
 
-        need(self.rollout_backend in ROLLOUT_BACKENDS, "rollout_backend",
-             f"choose one of {ROLLOUT_BACKENDS} (the 'vllm' backend is not available yet)")
-        need(isinstance(self.num_rollout_workers, int) and self.num_rollout_workers >= 1, "num_rollout_workers",
-             "set it to 1 or more")
+        need(
+            self.rollout_backend in ROLLOUT_BACKENDS,
+            "rollout_backend",
+            f"choose one of {ROLLOUT_BACKENDS} (the 'vllm' backend is not available yet)",
+        )
+        need(
+            isinstance(self.num_rollout_workers, int) and self.num_rollout_workers >= 1,
+            "num_rollout_workers",
+            "set it to 1 or more",
+        )
         try:
             device = torch.device(self.rollout_device)
         except (RuntimeError, TypeError) as exc:
-            raise ValueError(f"AsyncGRPOConfig.rollout_device={self.rollout_device!r} is invalid: use a torch device "
-                             f"string such as 'cpu' or 'cuda:1' ({exc})") from exc
+            raise ValueError(
+                f"AsyncGRPOConfig.rollout_device={self.rollout_device!r} is invalid: use a torch device "
+                f"string such as 'cpu' or 'cuda:1' ({exc})"
+            ) from exc
         need(device.type in ("cpu", "cuda"), "rollout_device", "use 'cpu' or a 'cuda:N' device")
-        need(isinstance(self.max_staleness, int) and self.max_staleness >= 0, "max_staleness",
-             "set it to 0 (synchronous semantics) or more")
-        need(self.rollout_batch_groups is None or self.rollout_batch_groups >= 1, "rollout_batch_groups",
-             "set it to 1 or more, or None for the default")
-        need(isinstance(self.weight_sync_steps, int) and self.weight_sync_steps >= 1, "weight_sync_steps",
-             "set it to 1 or more")
-        need(self.weight_sync_steps <= self.max_staleness + 1, "weight_sync_steps",
-             f"with max_staleness={self.max_staleness} the trainer would wait for samples no worker may generate; "
-             f"set weight_sync_steps <= {self.max_staleness + 1} or raise max_staleness to >= "
-             f"{self.weight_sync_steps - 1}")
-        need(self.rollout_queue_size is None or self.rollout_queue_size >= 1, "rollout_queue_size",
-             "set it to 1 or more, or None for the default")
-        need(self.rollout_weight_update in WEIGHT_UPDATE_POINTS, "rollout_weight_update",
-             f"choose one of {WEIGHT_UPDATE_POINTS}")
-        need(isinstance(self.rollout_torch_threads, int) and self.rollout_torch_threads >= 1, "rollout_torch_threads",
-             "set it to 1 or more")
+        need(
+            isinstance(self.max_staleness, int) and self.max_staleness >= 0,
+            "max_staleness",
+            "set it to 0 (synchronous semantics) or more",
+        )
+        need(
+            self.rollout_batch_groups is None or self.rollout_batch_groups >= 1,
+            "rollout_batch_groups",
+            "set it to 1 or more, or None for the default",
+        )
+        need(
+            isinstance(self.weight_sync_steps, int) and self.weight_sync_steps >= 1,
+            "weight_sync_steps",
+            "set it to 1 or more",
+        )
+        need(
+            self.weight_sync_steps <= self.max_staleness + 1,
+            "weight_sync_steps",
+            f"with max_staleness={self.max_staleness} the trainer would wait for samples no worker may generate; "
+            f"set weight_sync_steps <= {self.max_staleness + 1} or raise max_staleness to >= "
+            f"{self.weight_sync_steps - 1}",
+        )
+        need(
+            self.rollout_queue_size is None or self.rollout_queue_size >= 1,
+            "rollout_queue_size",
+            "set it to 1 or more, or None for the default",
+        )
+        need(
+            self.rollout_weight_update in WEIGHT_UPDATE_POINTS,
+            "rollout_weight_update",
+            f"choose one of {WEIGHT_UPDATE_POINTS}",
+        )
+        need(
+            isinstance(self.rollout_torch_threads, int) and self.rollout_torch_threads >= 1,
+            "rollout_torch_threads",
+            "set it to 1 or more",
+        )
         need(self.rollout_timeout_s > 0, "rollout_timeout_s", "set a positive number of seconds")
-        need(self.off_policy_correction in OFF_POLICY_CORRECTIONS, "off_policy_correction",
-             f"choose one of {OFF_POLICY_CORRECTIONS}")
+        need(
+            self.off_policy_correction in OFF_POLICY_CORRECTIONS,
+            "off_policy_correction",
+            f"choose one of {OFF_POLICY_CORRECTIONS}",
+        )
         need(self.importance_sampling_cap > 0, "importance_sampling_cap", "set a positive cap, e.g. 2.0")
 
 

@@ -140,6 +140,8 @@ class RolloutPool:
         named_tensors = list(named_tensors)
         if self.settings.verify_weights:
             self._expected_digests[version] = weights_digest(named_tensors)
+            for old in [v for v in self._expected_digests if v < version - 64]:  # bounded history
+                del self._expected_digests[old]
         self._weights.publish(named_tensors, version)
         with self._cv:
             self._published = version
@@ -218,6 +220,22 @@ class RolloutPool:
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._processes]
 
+    @property
+    def processes(self) -> list:
+        return list(self._processes)
+
+    @property
+    def admitted(self) -> int:
+        """Groups dispatched to workers so far, not counting dropped ones."""
+        with self._cv:
+            return self._admitted
+
+    @property
+    def ready_count(self) -> int:
+        """Scored groups waiting for the trainer."""
+        with self._cv:
+            return len(self._ready)
+
     # ---- background threads ------------------------------------------------------------------------------------
     def _guard(self, loop: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
@@ -233,7 +251,11 @@ class RolloutPool:
     def _admission_limit(self) -> int:
         s = self.settings
         by_staleness = max_groups_admitted(
-            self._published, s.max_staleness, s.groups_per_batch, s.steps_per_batch, s.start_version // s.steps_per_batch
+            self._published,
+            s.max_staleness,
+            s.groups_per_batch,
+            s.steps_per_batch,
+            s.start_version // s.steps_per_batch,
         )
         return min(by_staleness, self._consumed + s.queue_size)
 

@@ -111,7 +111,9 @@ class RewardScorer:
             texts = [apply_chat_template(x, tokenizer, **self.chat_template_kwargs)["text"] for x in messages]
         else:
             texts = [p + c for p, c in zip(prompts, completions, strict=True)]
-        inputs = tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+        inputs = tokenizer(
+            text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
+        )
         inputs = {k: v.to(self.device) for k, v in inputs.items()}
         with torch.inference_mode():
             return model(**inputs).logits[:, 0].float().cpu()

@@ -69,7 +69,11 @@ class AsyncGRPOTrainer(GRPOTrainer):
         rollout_func=None,
         environment_factory=None,
     ):
-        for name, value in (("tools", tools), ("rollout_func", rollout_func), ("environment_factory", environment_factory)):
+        for name, value in (
+            ("tools", tools),
+            ("rollout_func", rollout_func),
+            ("environment_factory", environment_factory),
+        ):
             if value:
                 raise NotImplementedError(
                     f"AsyncGRPOTrainer does not support `{name}` yet: multi-turn and custom rollouts need the rollout "
@@ -113,8 +117,11 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 f"get a full batch. Set rollout_queue_size >= {self._groups_per_batch} or leave it None."
             )
         workers = self.async_args.num_rollout_workers
-        self._rollout_batch_groups = self.async_args.rollout_batch_groups or math.ceil(self._groups_per_batch / workers)
+        self._rollout_batch_groups = self.async_args.rollout_batch_groups or math.ceil(
+            self._groups_per_batch / workers
+        )
         self._pool: RolloutPool | None = None
+        self.last_rollout_pool: RolloutPool | None = None
         self._consuming: list[ScoredGroup] | None = None
         self.add_callback(_PublishWeights(self))
 
@@ -150,12 +157,16 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self.close_rollouts()
 
     def close_rollouts(self) -> None:
+        """Stop and join every rollout worker (``train`` does this itself). The closed pool stays readable as
+        ``last_rollout_pool`` (its counters: drops, verified weight adoptions, worker pids)."""
         if self._pool is not None:
             pool, self._pool = self._pool, None
+            self.last_rollout_pool = pool
             pool.close()
 
     @property
     def rollout_pool(self) -> RolloutPool | None:
+        """The running pool during ``train``, else ``None``."""
         return self._pool
 
     def _start_pool(self) -> RolloutPool:
@@ -300,7 +311,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self._consuming is None:
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
         groups = [g.group for g in self._consuming]
         expected = [list(g.prompt_ids) for g in groups for _ in range(self.num_generations)]
         if [list(p) for p in prompt_ids] != expected:
@@ -354,7 +367,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         raw = torch.exp((prox - behaviour).clamp(-20, 20))
         metrics = self._metrics["train"]
         metrics["is/ratio_mean"].append(masked_mean(raw, mask).item())
-        metrics["is/truncated_frac"].append(masked_mean((raw > self.async_args.importance_sampling_cap).float(), mask).item())
+        metrics["is/truncated_frac"].append(
+            masked_mean((raw > self.async_args.importance_sampling_cap).float(), mask).item()
+        )
 
     def _compute_loss(self, model, inputs):
         # GRPOTrainer multiplies `importance_sampling_ratio` into the per-token loss only when

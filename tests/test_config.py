@@ -1,0 +1,47 @@
+import pytest
+from trl import GRPOConfig
+
+from trl_async import AsyncGRPOConfig
+from trl_async.config import AsyncFields, async_fields_of
+
+BASE = dict(output_dir="/tmp/trl_async_cfg", report_to=[], bf16=False, use_cpu=True)
+
+
+@pytest.mark.parametrize(
+    "field,value,fix",
+    [
+        ("max_staleness", -1, "0 \\(synchronous"),
+        ("num_rollout_workers", 0, "1 or more"),
+        ("rollout_backend", "vllm", "not available yet"),
+        ("rollout_device", "tpu-ish", "torch device"),
+        ("rollout_batch_groups", 0, "1 or more"),
+        ("rollout_queue_size", 0, "1 or more"),
+        ("rollout_weight_update", "sometimes", "batch"),
+        ("rollout_timeout_s", 0, "positive"),
+        ("off_policy_correction", "magic", "tis"),
+        ("importance_sampling_cap", 0.0, "positive cap"),
+        ("rollout_torch_threads", 0, "1 or more"),
+    ],
+)
+def test_bad_value_names_the_field_and_the_fix(field, value, fix):
+    with pytest.raises(ValueError, match=rf"AsyncGRPOConfig\.{field}=.*{fix}"):
+        AsyncGRPOConfig(**BASE, **{field: value})
+
+
+def test_weight_sync_must_fit_in_the_staleness_bound():
+    # syncing every 3 steps with max_staleness=1: at step 2 the newest weights are version 0, lag 2 > 1: deadlock
+    with pytest.raises(ValueError, match="weight_sync_steps <= 2"):
+        AsyncGRPOConfig(**BASE, max_staleness=1, weight_sync_steps=3)
+    assert AsyncGRPOConfig(**BASE, max_staleness=2, weight_sync_steps=3).weight_sync_steps == 3
+
+
+def test_plain_grpo_config_gets_async_defaults():
+    settings = async_fields_of(GRPOConfig(**BASE))
+    assert settings == AsyncFields()
+    assert settings.max_staleness == 1 and settings.off_policy_correction == "tis"
+
+
+def test_async_config_is_a_grpo_config_with_its_values():
+    cfg = AsyncGRPOConfig(**BASE, max_staleness=3, num_rollout_workers=2)
+    assert isinstance(cfg, GRPOConfig)
+    assert async_fields_of(cfg).max_staleness == 3 and async_fields_of(cfg).num_rollout_workers == 2

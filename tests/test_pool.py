@@ -1,0 +1,131 @@
+"""The rollout pool with real worker processes: admission control, backpressure, dropping stale groups, shutdown."""
+
+import time
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from trl_async.prompts import PromptStream
+from trl_async.rollout_pool import PoolSettings, RolloutPool, RolloutWorkerError, ScoredGroup
+from trl_async.tiny import build_char_tokenizer, build_tiny_model
+from trl_async.worker import WorkerSpec
+
+G = 2  # completions per group
+
+
+def make_pool(max_staleness, groups_per_batch=2, queue_size=None, workers=1, score=None, rows=8):
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok)
+    gen = GenerationConfig(max_new_tokens=3, do_sample=True, pad_token_id=tok.pad_token_id, eos_token_id=[])
+    specs = [
+        WorkerSpec(
+            i,
+            type(model),
+            model.config,
+            torch.float32,
+            "cpu",
+            gen,
+            G,
+            (tok.eos_token_id,),
+            tok.pad_token_id,
+            batch_groups=1,
+            weight_update="batch",
+            torch_threads=1,
+            seed=i,
+            verify_weights=True,
+        )
+        for i in range(workers)
+    ]
+    settings = PoolSettings(
+        groups_per_batch=groups_per_batch,
+        steps_per_batch=1,
+        max_staleness=max_staleness,
+        queue_size=queue_size or (max_staleness + 1) * groups_per_batch,
+        timeout_s=60,
+        start_version=0,
+        verify_weights=True,
+    )
+    prompts = PromptStream(rows, groups_per_batch, shuffle=False, seed=0)
+    score = score or (lambda g: ScoredGroup(g, rewards=torch.zeros(G, 1)))
+    named = dict(model.named_parameters())
+    pool = RolloutPool(specs, named, settings, prompts, lambda i: (5, 6, 7 + i), score)
+    return pool, model
+
+
+def wait_until(predicate, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def test_synchronous_admission_generates_exactly_one_batch_per_published_version():
+    pool, model = make_pool(max_staleness=0)
+    try:
+        wait_until(lambda: pool.ready_count == 2)
+        time.sleep(1.0)  # a worker that ignored admission would have produced more by now
+        assert pool.admitted == 2 and pool.ready_count == 2
+        groups, stats = pool.take(2, consumer_version=0)
+        assert [g.group.prompt_index for g in groups] == [0, 1] and stats.staleness == [0] * 4
+        time.sleep(1.0)  # consumed, but version 1 not published: the next batch may not start (it would be stale)
+        assert pool.admitted == 2
+        pool.publish(model.named_parameters(), version=1)
+        groups, stats = pool.take(2, consumer_version=1)
+        assert [g.group.prompt_index for g in groups] == [2, 3]
+        assert all(set(g.group.token_versions) == {1} for g in groups) and stats.staleness == [0] * 4
+        assert pool.verified_adoptions >= 2  # the worker's weights hashed equal to what was published, twice
+    finally:
+        pool.close()
+    assert not any(p.is_alive() for p in pool.processes)
+
+
+def test_queue_size_bounds_work_ahead_even_when_staleness_would_allow_more():
+    pool, _ = make_pool(max_staleness=4, queue_size=3)  # admission would allow 5 batches = 10 groups
+    try:
+        wait_until(lambda: pool.ready_count == 3)
+        time.sleep(1.0)
+        assert pool.admitted == 3 and pool.ready_count == 3  # backpressure: nothing beyond the bound
+        pool.take(2, consumer_version=0)
+        wait_until(lambda: pool.admitted == 5)  # two slots freed -> two more admitted, and no more
+        time.sleep(0.5)
+        assert pool.admitted == 5
+    finally:
+        pool.close()
+
+
+def test_stale_groups_are_dropped_counted_and_their_prompts_regenerated():
+    pool, model = make_pool(max_staleness=0)
+    try:
+        wait_until(lambda: pool.ready_count == 2)  # prompts 0 and 1 generated with version 0
+        pool.publish(model.named_parameters(), version=1)
+        groups, stats = pool.take(2, consumer_version=1)  # version-0 groups are 1 step stale: never trained on
+        assert pool.dropped_groups == 2 and stats.dropped_samples_total == 2 * G
+        assert sorted(g.group.prompt_index for g in groups) == [0, 1]  # same prompts, generated again
+        assert all(set(g.group.token_versions) == {1} for g in groups)
+    finally:
+        pool.close()
+
+
+def test_a_failing_reward_function_surfaces_on_the_main_thread_not_as_a_hang():
+    def score(group):
+        raise ValueError("reward exploded")
+
+    pool, _ = make_pool(max_staleness=0, score=score)
+    try:
+        with pytest.raises(ValueError, match="reward exploded"):
+            pool.take(2, consumer_version=0)
+    finally:
+        pool.close()
+
+
+def test_a_killed_worker_is_reported_by_name():
+    pool, _ = make_pool(max_staleness=0)
+    try:
+        wait_until(lambda: pool.ready_count == 2)
+        pool.processes[0].kill()
+        pool.processes[0].join(5)
+        with pytest.raises(RolloutWorkerError, match="rollout worker 0 .* exited with code"):
+            pool.take(4, consumer_version=0)
+    finally:
+        pool.close()

@@ -1,0 +1,95 @@
+"""The worker's generation: behaviour log-probs, version tags, EOS handling (in-process; no spawn needed)."""
+
+import torch
+from transformers import GenerationConfig
+
+from trl_async.records import RolloutTask
+from trl_async.tiny import build_char_tokenizer, build_tiny_model
+from trl_async.worker import generate_groups
+
+TEMPERATURE, TOP_K = 0.7, 6
+
+
+def _setup(seed=0):
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, seed=seed).eval()
+    config = GenerationConfig(
+        max_new_tokens=10,
+        do_sample=True,
+        temperature=TEMPERATURE,
+        top_k=TOP_K,
+        top_p=1.0,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=[tok.eos_token_id],
+    )
+    return tok, model, config
+
+
+def _teacher_forced_logps(model, prompt, completion):
+    """log-probs of ``completion`` under softmax(top_k(logits / T)), computed by hand from one full forward pass."""
+    ids = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1] / TEMPERATURE
+    kth = logits.topk(TOP_K, dim=-1).values[:, -1:]
+    logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def test_behaviour_logprobs_equal_teacher_forced_sampling_distribution():
+    tok, model, config = _setup()
+    prompt = tuple(tok("ab 1+2=")["input_ids"])
+    torch.manual_seed(1)
+    tasks = [RolloutTask(0, 0, prompt, 0), RolloutTask(1, 1, tuple(tok("zz")["input_ids"]), 0)]  # ragged: left pad
+    groups = generate_groups(model, tasks, config, 4, [tok.eos_token_id], tok.pad_token_id, lambda: 3)
+    assert [g.group_id for g in groups] == [0, 1]
+    checked = 0
+    for group in groups:
+        assert len(group.completion_ids) == 4
+        for completion, logps, versions in zip(group.completion_ids, group.logprobs, group.versions, strict=True):
+            expected = _teacher_forced_logps(model, group.prompt_ids, completion)
+            torch.testing.assert_close(torch.tensor(logps), expected, atol=1e-5, rtol=0)
+            assert set(versions) == {3} and len(versions) == len(completion)
+            checked += len(completion)
+    assert checked >= 8
+
+
+def test_completions_are_cut_after_the_first_eos():
+    tok, model, config = _setup()
+    eos = tok.eos_token_id
+    config.sequence_bias = {(eos,): 2.5}  # EOS likely enough that completions end at different steps
+    torch.manual_seed(0)
+    groups = generate_groups(model, [RolloutTask(0, 0, (5, 6, 7), 0)], config, 8, [eos], tok.pad_token_id, lambda: 0)
+    completions = groups[0].completion_ids
+    for c, logps in zip(completions, groups[0].logprobs, strict=True):
+        assert eos not in c[:-1]  # nothing after the first EOS (the batch keeps padding the finished rows)
+        assert c[-1] == eos or len(c) == config.max_new_tokens
+        assert len(logps) == len(c)
+    lengths = {len(c) for c in completions}
+    assert len(lengths) > 1 and min(lengths) < config.max_new_tokens
+
+
+def test_in_flight_update_tags_each_token_with_the_version_that_produced_it():
+    tok, model, config = _setup()
+    state = {"version": 0, "steps": 0}
+    other = build_tiny_model(tok, seed=1)
+
+    def between_steps():  # after the 3rd decode step, adopt "version 1" weights
+        state["steps"] += 1
+        if state["steps"] == 3:
+            model.load_state_dict(other.state_dict())
+            state["version"] = 1
+
+    config.eos_token_id = []  # no early stop: 10 tokens each
+    groups = generate_groups(
+        model,
+        [RolloutTask(0, 0, (5, 6, 7), 0)],
+        config,
+        2,
+        [],
+        tok.pad_token_id,
+        lambda: state["version"],
+        between_steps,
+    )
+    for versions in groups[0].versions:
+        assert versions == (0, 0, 0) + (1,) * 7  # tokens 0-2 from version 0's logits, the rest from version 1
+    assert groups[0].token_versions.count(0) == 6
