@@ -37,7 +37,7 @@ def spelling_reward(prompts, completions, **kwargs) -> list[float]:
     (so a perfect completion scores 1.0). It only compares strings; nothing generated is executed."""
     rewards = []
     for completion in completions:
-        score = sum(a == b for a, b in zip(completion, TARGET))
+        score = sum(a == b for a, b in zip(completion, TARGET, strict=False))
         score += completion == TARGET
         rewards.append(score / (len(TARGET) + 1))
     return rewards
