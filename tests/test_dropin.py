@@ -1,0 +1,167 @@
+"""Drop-in compatibility: what a GRPOTrainer user passes keeps working, and what cannot work yet fails clearly."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from datasets import Dataset, IterableDataset
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config
+from trl import GRPOConfig
+
+from trl_async import AsyncGRPOTrainer
+
+from .test_trainer import COMMON, async_args, no_rollout_children, text_dataset, trained_staleness
+
+
+def length_reward(completions, **kwargs):
+    return [len(c) / 6 for c in completions]
+
+
+def test_closure_and_two_weighted_rewards(tmp_path, tiny_model_dir):
+    target = "a"
+    count_target = lambda completions, **kw: [c.count(target) for c in completions]  # noqa: E731 - a real closure
+    args = async_args(tmp_path, max_steps=2, reward_weights=[2.0, 0.5])
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir, reward_funcs=[count_target, length_reward], args=args, train_dataset=text_dataset()
+    )
+    trainer.train()
+    last = [h for h in trainer.state.log_history if "reward" in h][-1]
+    # GRPOTrainer's weighted sum: reward = 2 * mean(count) + 0.5 * mean(length)
+    expected = 2.0 * last["rewards/<lambda>/mean"] + 0.5 * last["rewards/length_reward/mean"]
+    assert last["reward"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_conversational_dataset(tmp_path, tiny_model_dir):
+    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": f"hi {i}"}]} for i in range(8)])
+    seen = []
+
+    def chat_reward(prompts, completions, **kwargs):
+        seen.append((prompts[0], completions[0]))
+        return [len(c[0]["content"]) / 6 for c in completions]
+
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir, reward_funcs=chat_reward, args=async_args(tmp_path, max_steps=2), train_dataset=ds
+    )
+    trainer.train()
+    assert trainer.state.global_step == 2
+    prompt, completion = seen[0]
+    assert prompt[0]["role"] == "user" and completion[0]["role"] == "assistant"
+
+
+def test_plain_grpo_config_and_a_reward_model(tmp_path, tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    reward_model_dir = str(tmp_path / "rm")
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(reward_model_dir)
+    tokenizer.save_pretrained(reward_model_dir)
+    args = GRPOConfig(output_dir=str(tmp_path), **{**COMMON, "max_steps": 2})
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir, reward_funcs=[reward_model_dir, length_reward], args=args, train_dataset=text_dataset()
+    )
+    assert trainer.async_args.max_staleness == 1  # async defaults for a plain GRPOConfig
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    assert len(logs) == 2 and all(h["rewards/rm/std"] > 0 for h in logs)  # the reward model really scored
+    assert max(trained_staleness(trainer)) <= 1
+
+
+def test_peft_lora_workers_receive_merged_weights(tmp_path, tiny_model_dir):
+    from peft import LoraConfig
+
+    args = async_args(tmp_path, max_steps=3, rollout_verify_weights=True, learning_rate=5e-2)
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=text_dataset(),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
+    trainer.train()
+    pool = trainer.last_rollout_pool
+    assert pool.verified_adoptions >= 2  # workers hashed exactly the merged weights the trainer published
+    # the published tensors for the last version are the merged model: compare with peft's own merge
+    merged = trainer.model.merge_and_unload()
+    for name, tensor in merged.named_parameters():
+        torch.testing.assert_close(pool._weights.tensors[name], tensor, rtol=0, atol=1e-6)
+
+
+def test_eval_dataset_is_evaluated_with_current_weights(tmp_path, tiny_model_dir):
+    args = async_args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=8)
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=text_dataset(),
+        eval_dataset=text_dataset(8),
+    )
+    trainer.train()
+    evals = [h for h in trainer.state.log_history if "eval_reward" in h]
+    assert len(evals) == 1 and 0 <= evals[0]["eval_reward"] <= 1
+    assert "eval_async/staleness_max" not in evals[0]  # evaluation is synchronous, not from the queue
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(tools=[lambda x: x]), NotImplementedError, "`tools`"),
+        (dict(rollout_func=lambda prompts, trainer: {}), NotImplementedError, "`rollout_func`"),
+        (dict(environment_factory=object), NotImplementedError, "`environment_factory`"),
+    ],
+)
+def test_unsupported_features_fail_at_construction(tmp_path, tiny_model_dir, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        AsyncGRPOTrainer(
+            model=tiny_model_dir, reward_funcs=length_reward, args=async_args(tmp_path), train_dataset=text_dataset(),
+            **kwargs,
+        )  # fmt: skip
+
+
+def test_use_vllm_and_iterable_datasets_fail_at_construction(tmp_path, tiny_model_dir):
+    with pytest.raises(ValueError, match="rollout_backend"):
+        AsyncGRPOTrainer(
+            model=tiny_model_dir, reward_funcs=length_reward, args=async_args(tmp_path, use_vllm=True),
+            train_dataset=text_dataset(),
+        )  # fmt: skip
+    stream = IterableDataset.from_generator(lambda: iter([{"prompt": "a"}]))
+    with pytest.raises(NotImplementedError, match="map-style"):
+        AsyncGRPOTrainer(
+            model=tiny_model_dir, reward_funcs=length_reward, args=async_args(tmp_path), train_dataset=stream
+        )
+
+
+def test_too_small_queue_fails_at_construction(tmp_path, tiny_model_dir):
+    with pytest.raises(ValueError, match=r"rollout_queue_size=1 .* >= 2"):
+        AsyncGRPOTrainer(
+            model=tiny_model_dir, reward_funcs=length_reward, args=async_args(tmp_path, rollout_queue_size=1),
+            train_dataset=text_dataset(),
+        )  # fmt: skip
+
+
+def test_script_without_main_guard_trains_and_exits(tmp_path, tiny_model_dir):
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import os
+        os.environ["OMP_NUM_THREADS"] = "1"
+        from datasets import Dataset
+        from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
+        print("TOP-LEVEL RAN", flush=True)
+        ds = Dataset.from_list([{{"prompt": f"p{{i}}:"}} for i in range(8)])
+        args = AsyncGRPOConfig(output_dir={str(tmp_path / "o")!r}, max_steps=2, per_device_train_batch_size=8,
+            num_generations=4, max_completion_length=4, report_to=[], bf16=False, use_cpu=True,
+            gradient_checkpointing=False, save_strategy="no")
+        AsyncGRPOTrainer(model={tiny_model_dir!r}, reward_funcs=lambda completions, **kw: [len(c) for c in completions],
+            args=args, train_dataset=ds).train()
+        print("DONE", flush=True)
+    """)
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("TOP-LEVEL RAN") == 1  # workers did not re-run the user's script
+    assert "DONE" in out.stdout and no_rollout_children()
