@@ -1,0 +1,52 @@
+import math
+
+import pytest
+import torch
+
+from trl_async.scoring import RewardFunctionError, RewardScorer, decode_completions
+from trl_async.tiny import build_char_tokenizer
+
+
+def make_scorer(*funcs):
+    names = [f.__name__ for f in funcs]
+    return RewardScorer(funcs, [None] * len(funcs), names, {}, torch.device("cpu"), trainer_state=lambda: "STATE")
+
+
+def test_sync_async_and_none_rewards_with_dataset_columns_and_logging():
+    def sync_reward(prompts, completions, answer, trainer_state, log_metric, log_extra, **kwargs):
+        assert trainer_state == "STATE"
+        log_metric("my/metric", 3.0)
+        log_extra("judge", ["ok"] * len(completions))
+        return [float(c == a) for c, a in zip(completions, answer, strict=True)]
+
+    async def async_reward(completions, **kwargs):
+        return [len(c) for c in completions]
+
+    def sometimes_none(completions, **kwargs):
+        return [None, 1.0]
+
+    rows = [{"prompt": "p", "answer": "x"}, {"prompt": "p", "answer": "y"}]
+    rewards, extra, metrics = make_scorer(sync_reward, async_reward, sometimes_none).score(rows, ["x", "zz"], [[1], [2]])
+    assert rewards[:, 0].tolist() == [1.0, 0.0] and rewards[:, 1].tolist() == [1.0, 2.0]
+    assert math.isnan(rewards[0, 2]) and rewards[1, 2] == 1.0  # None -> NaN, as GRPOTrainer does
+    assert metrics == {"my/metric": [3.0]} and extra == {"judge": ["ok", "ok"]}
+
+
+def test_raising_reward_names_the_function_and_shows_the_input():
+    def fragile(completions, **kwargs):
+        raise KeyError("boom")
+
+    with pytest.raises(RewardFunctionError, match=r"(?s)'fragile' raised KeyError.*prompt 'the prompt'.*'the completion'"):
+        make_scorer(fragile).score([{"prompt": "the prompt"}], ["the completion"], [[1]])
+
+
+def test_wrong_number_of_rewards_is_an_error():
+    with pytest.raises(RewardFunctionError, match="returned 1 rewards, but 2 were expected"):
+        make_scorer(lambda completions, **kw: [1.0]).score([{"prompt": "a"}] * 2, ["x", "y"], [[1], [2]])
+
+
+def test_decode_matches_grpo_text_and_chat_formats():
+    tok = build_char_tokenizer()
+    ids = [tok("ab")["input_ids"] + [tok.eos_token_id]]
+    assert decode_completions(tok, [[5]], ids, conversational=False) == ["ab"]
+    assert decode_completions(tok, [[5]], ids, conversational=True) == [[{"role": "assistant", "content": "ab"}]]
