@@ -1,7 +1,7 @@
 """CPU demo: asynchronous GRPO on a tiny model built locally (no hub, no GPU), on a small verifiable task.
 
 Task ("spelling"): whatever the prompt (``"write ab:"`` ...), the verifier rewards completions that spell the target
-word ``bead`` position by position and then stop; it only compares strings, nothing generated is executed. A randomly
+word ``bead`` position by position; it only compares strings, nothing generated is executed. A randomly
 initialised 2-layer model starts near 0 and gets it right within about a minute on 2 CPU cores. The script prints the
 greedy reward over the prompts before and after training, and a summary of the run (staleness, drops, time).
 
@@ -33,14 +33,9 @@ VOCAB = "abcdefgh" + "write :"
 
 
 def spelling_reward(prompts, completions, **kwargs) -> list[float]:
-    """Verifier: 0.2 per position where the completion matches the target word, plus 0.2 for stopping right after it
-    (so a perfect completion scores 1.0). It only compares strings; nothing generated is executed."""
-    rewards = []
-    for completion in completions:
-        score = sum(a == b for a, b in zip(completion, TARGET, strict=False))
-        score += completion == TARGET
-        rewards.append(score / (len(TARGET) + 1))
-    return rewards
+    """Verifier: the fraction of the target word's positions the completion gets right (1.0 = spelled exactly). It
+    only compares strings; nothing generated is executed."""
+    return [sum(a == b for a, b in zip(c, TARGET, strict=False)) / len(TARGET) for c in completions]
 
 
 def make_dataset(n: int = 16) -> Dataset:
@@ -86,14 +81,14 @@ def main(args: AsyncGRPOConfig) -> dict:
 
 DEMO_DEFAULTS = dict(
     output_dir="outputs/cpu_demo",
-    max_steps=400,
-    learning_rate=3e-3,
+    max_steps=600,
+    learning_rate=1e-3,
     per_device_train_batch_size=32,
     num_generations=8,
-    max_completion_length=6,
-    temperature=1.0,
+    max_completion_length=len(TARGET),
+    temperature=1.5,
     beta=0.0,
-    logging_steps=50,
+    logging_steps=100,
     save_strategy="no",
     report_to=[],
     bf16=False,
