@@ -18,8 +18,9 @@ BASE = dict(output_dir="/tmp/trl_async_cfg", report_to=[], bf16=False, use_cpu=T
         ("rollout_queue_size", 0, "1 or more"),
         ("rollout_weight_update", "sometimes", "batch"),
         ("rollout_timeout_s", 0, "positive"),
-        ("off_policy_correction", "magic", "tis"),
-        ("importance_sampling_cap", 0.0, "positive cap"),
+        ("off_policy_correction", "magic", "decoupled"),
+        ("importance_sampling_cap", 1.0, "cap > 1"),
+        ("importance_sampling_floor", 1.0, "floor in \\[0, 1\\)"),
         ("rollout_torch_threads", 0, "1 or more"),
     ],
 )
@@ -38,7 +39,15 @@ def test_weight_sync_must_fit_in_the_staleness_bound():
 def test_plain_grpo_config_gets_async_defaults():
     settings = async_fields_of(GRPOConfig(**BASE))
     assert settings == AsyncFields()
-    assert settings.max_staleness == 1 and settings.off_policy_correction == "tis"
+    assert settings.max_staleness == 1 and settings.off_policy_correction == "decoupled"
+    assert settings.resolved_importance_sampling_cap == 5.0  # AReaL's cap for the decoupled default
+
+
+def test_caps_default_by_mode_and_none_warns_when_stale():
+    assert AsyncGRPOConfig(**BASE, off_policy_correction="tis").resolved_importance_sampling_cap == 2.0
+    assert AsyncGRPOConfig(**BASE, importance_sampling_cap=3.0).resolved_importance_sampling_cap == 3.0
+    with pytest.warns(UserWarning, match="ablations"):
+        AsyncGRPOConfig(**BASE, off_policy_correction="none", max_staleness=2)
 
 
 def test_async_config_is_a_grpo_config_with_its_values():

@@ -1,29 +1,94 @@
 import math
 
+import pytest
 import torch
 
-from trl_async.correction import masked_mean, truncated_importance_weights
+from trl_async.correction import effective_sample_size, masked_mean, off_policy_correction, sequence_log_ratio
+
+LOG = math.log
 
 
-def test_truncated_importance_weights_by_hand():
-    # pi_prox / mu per token: 0.5/0.25 = 2 -> capped at 1.5; 0.25/0.5 = 0.5 kept; 0.3/0.3 = 1; padding -> 1
-    prox = torch.log(torch.tensor([[0.5, 0.25, 0.3, 0.9]]))
-    mu = torch.log(torch.tensor([[0.25, 0.5, 0.3, 0.1]]))
-    mask = torch.tensor([[1, 1, 1, 0]])
-    w = truncated_importance_weights(prox, mu, mask, cap=1.5)
-    torch.testing.assert_close(w, torch.tensor([[1.5, 0.5, 1.0, 1.0]]))
+def case(ratios, mask):
+    """behaviour log-probs 0 and prox log-probs log(ratio): rho equals ``ratios`` exactly."""
+    prox = torch.log(torch.tensor(ratios, dtype=torch.float64))
+    return prox, torch.zeros_like(prox), torch.tensor(mask)
 
 
-def test_truncated_importance_weights_are_finite_for_extreme_and_padded_entries():
-    prox = torch.tensor([[0.0, -1e4, 0.0]])
-    mu = torch.tensor([[-1e4, 0.0, float("-inf")]])  # padded position may hold junk
-    w = truncated_importance_weights(prox, mu, torch.tensor([[1, 1, 0]]), cap=2.0)
-    assert torch.isfinite(w).all()
-    assert w[0, 0] == 2.0 and w[0, 1] < 1e-8 and w[0, 2] == 1.0
+# rho per token: row 0 = [2, 0.5, 1, (pad)], row 1 = [4, 0.25, (pad), (pad)]
+RHO = [[2.0, 0.5, 1.0, 9.0], [4.0, 0.25, 7.0, 7.0]]
+MASK = [[1, 1, 1, 0], [1, 1, 0, 0]]
 
 
-def test_masked_mean_ignores_padding_and_is_zero_on_empty_mask():
+@pytest.mark.parametrize(
+    "mode,cap,floor,expected",
+    [
+        # tis: min(rho, 1.5); padding -> 1
+        ("tis", 1.5, 0.0, [[1.5, 0.5, 1.0, 1.0], [1.5, 0.25, 1.0, 1.0]]),
+        # mask: rho inside [0.4, 3], else 0: 4 and 0.25 are outside
+        ("mask", 3.0, 0.4, [[2.0, 0.5, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0]]),
+        # decoupled (AReaL): rho if rho <= 3 else 0; no floor
+        ("decoupled", 3.0, 0.0, [[2.0, 0.5, 1.0, 1.0], [0.0, 0.25, 1.0, 1.0]]),
+        # seq_tis: geometric means: row 0 (2*0.5*1)^(1/3) = 1; row 1 (4*0.25)^(1/2) = 1 -> both 1 (< cap)
+        ("seq_tis", 1.5, 0.0, [[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]),
+        ("none", 1.5, 0.0, [[1.0] * 4, [1.0] * 4]),
+    ],
+)
+def test_weights_by_hand(mode, cap, floor, expected):
+    out = off_policy_correction(*case(RHO, MASK), mode=mode, cap=cap, floor=floor)
+    torch.testing.assert_close(out.weights_BT, torch.tensor(expected, dtype=torch.float64))
+
+
+def test_sequence_modes_use_the_geometric_mean():
+    # row 0: tokens [4, 4] -> geometric mean 4 -> seq_tis caps at 2, seq_mask (band [0.5, 3]) drops the row;
+    # row 1: tokens [2, 0.5, 0.5] -> (0.5)^(1/3) = 0.7937 -> kept by both
+    ratios, mask = [[4.0, 4.0, 1.0], [2.0, 0.5, 0.5]], [[1, 1, 0], [1, 1, 1]]
+    g = 0.5 ** (1 / 3)
+    tis = off_policy_correction(*case(ratios, mask), mode="seq_tis", cap=2.0)
+    torch.testing.assert_close(tis.weights_BT, torch.tensor([[2.0, 2.0, 1.0], [g, g, g]], dtype=torch.float64))
+    masked = off_policy_correction(*case(ratios, mask), mode="seq_mask", cap=3.0, floor=0.5)
+    torch.testing.assert_close(masked.weights_BT, torch.tensor([[0.0, 0.0, 1.0], [g, g, g]], dtype=torch.float64))
+    assert masked.stats["masked_frac"] == 0.5 and tis.stats["truncated_frac"] == 0.5
+    assert masked.stats["ratio_max"] == pytest.approx(4.0) and masked.stats["ratio_min"] == pytest.approx(g)
+
+
+def test_statistics_by_hand():
+    out = off_policy_correction(*case(RHO, MASK), mode="tis", cap=1.5)
+    valid = [2.0, 0.5, 1.0, 4.0, 0.25]
+    assert out.stats["ratio_mean"] == pytest.approx(sum(valid) / 5)
+    assert out.stats["ratio_min"] == 0.25 and out.stats["ratio_max"] == 4.0
+    assert out.stats["truncated_frac"] == pytest.approx(2 / 5)  # 2 and 4 exceed 1.5
+    w = [1.5, 0.5, 1.0, 1.5, 0.25]
+    assert out.stats["ess"] == pytest.approx(sum(w) ** 2 / (5 * sum(x * x for x in w)))
+    # k3 = mean(rho - 1 - log rho)
+    assert out.stats["kl_behaviour"] == pytest.approx(sum(r - 1 - LOG(r) for r in valid) / 5)
+
+
+def test_on_policy_gives_unit_weights_and_full_ess():
+    logps = torch.log(torch.rand(3, 5))
+    for mode in ("tis", "mask", "decoupled", "seq_tis", "seq_mask"):
+        out = off_policy_correction(logps, logps.clone(), torch.ones(3, 5), mode=mode, cap=2.0, floor=0.5)
+        assert torch.equal(out.weights_BT, torch.ones(3, 5))
+        assert out.stats["ess"] == 1.0 and out.stats["ratio_min"] == out.stats["ratio_max"] == 1.0
+        assert out.stats["kl_behaviour"] == 0.0
+
+
+@pytest.mark.parametrize("mode", ["none", "tis", "mask", "decoupled", "seq_tis", "seq_mask"])
+def test_all_masked_rows_and_empty_masks_give_no_nan(mode):
+    prox, behaviour = torch.tensor([[0.0, -50.0]]), torch.tensor([[-50.0, float("-inf")]])
+    for mask in ([[0, 0]], [[1, 0]]):
+        out = off_policy_correction(prox, behaviour, torch.tensor(mask), mode=mode, cap=2.0, floor=0.5)
+        assert torch.isfinite(out.weights_BT).all()
+        assert all(math.isfinite(v) for v in out.stats.values()), out.stats
+
+
+def test_every_weight_masked_has_zero_ess():
+    out = off_policy_correction(*case([[10.0, 20.0]], [[1, 1]]), mode="decoupled", cap=5.0)
+    assert out.stats["ess"] == 0.0 and out.stats["masked_frac"] == 1.0
+
+
+def test_helpers_are_empty_safe():
     x = torch.tensor([[1.0, 3.0, 100.0]])
     assert masked_mean(x, torch.tensor([[1, 1, 0]])).item() == 2.0
-    value = masked_mean(x, torch.zeros(1, 3)).item()
-    assert value == 0.0 and not math.isnan(value)
+    assert masked_mean(x, torch.zeros(1, 3)).item() == 0.0
+    assert sequence_log_ratio(x, torch.zeros(1, 3)).item() == 0.0
+    assert effective_sample_size(torch.tensor([])) == 1.0

@@ -26,7 +26,9 @@ def test_sync_async_and_none_rewards_with_dataset_columns_and_logging():
         return [None, 1.0]
 
     rows = [{"prompt": "p", "answer": "x"}, {"prompt": "p", "answer": "y"}]
-    rewards, extra, metrics = make_scorer(sync_reward, async_reward, sometimes_none).score(rows, ["x", "zz"], [[1], [2]])
+    rewards, extra, metrics = make_scorer(sync_reward, async_reward, sometimes_none).score(
+        rows, ["x", "zz"], [[1], [2]]
+    )
     assert rewards[:, 0].tolist() == [1.0, 0.0] and rewards[:, 1].tolist() == [1.0, 2.0]
     assert math.isnan(rewards[0, 2]) and rewards[1, 2] == 1.0  # None -> NaN, as GRPOTrainer does
     assert metrics == {"my/metric": [3.0]} and extra == {"judge": ["ok", "ok"]}
@@ -36,7 +38,9 @@ def test_raising_reward_names_the_function_and_shows_the_input():
     def fragile(completions, **kwargs):
         raise KeyError("boom")
 
-    with pytest.raises(RewardFunctionError, match=r"(?s)'fragile' raised KeyError.*prompt 'the prompt'.*'the completion'"):
+    with pytest.raises(
+        RewardFunctionError, match=r"(?s)'fragile' raised KeyError.*prompt 'the prompt'.*'the completion'"
+    ):
         make_scorer(fragile).score([{"prompt": "the prompt"}], ["the completion"], [[1]])
 
 

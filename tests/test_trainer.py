@@ -99,6 +99,7 @@ def test_zero_staleness_is_on_policy_and_importance_ratios_are_one(tmp_path, tin
     ratios = [h["is/ratio_mean"] for h in trainer.state.log_history if "is/ratio_mean" in h]
     # worker mu and trainer pi_prox are the same weights and the same distribution: ratio 1 up to float error
     assert len(ratios) == 4 and all(abs(r - 1) < 1e-4 for r in ratios)
+    assert all(h["is/ess"] == pytest.approx(1.0, abs=1e-6) for h in trainer.state.log_history if "is/ess" in h)
     assert trainer.state.log_history[-2]["async/dropped_stale"] == 0
 
 

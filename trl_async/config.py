@@ -7,6 +7,7 @@ error names the field and the fix.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -15,7 +16,8 @@ from trl import GRPOConfig
 
 ROLLOUT_BACKENDS = ("transformers",)  # "vllm" arrives with its own issue
 WEIGHT_UPDATE_POINTS = ("batch", "decode_step")
-OFF_POLICY_CORRECTIONS = ("tis", "none")
+OFF_POLICY_CORRECTIONS = ("decoupled", "tis", "mask", "seq_tis", "seq_mask", "none")
+DEFAULT_CAPS = {"decoupled": 5.0}  # AReaL's behav_imp_weight_cap in its examples; 2.0 (verl/SkyRL TIS) otherwise
 
 
 @dataclass
@@ -82,15 +84,31 @@ class AsyncFields:
             "for (includes worker start-up for the first batch)."
         },
     )
-    off_policy_correction: Literal["tis", "none"] = field(
-        default="tis",
+    off_policy_correction: Literal["decoupled", "tis", "mask", "seq_tis", "seq_mask", "none"] = field(
+        default="decoupled",
         metadata={
-            "help": "Staleness correction: 'tis' multiplies the per-token loss by min(pi_prox/mu, "
-            "importance_sampling_cap); 'none' treats stale samples as on-policy (ablation only)."
+            "help": "Staleness weight w = f(pi_prox/mu) multiplied into GRPOTrainer's per-token loss, whose "
+            "clipped ratio is taken against pi_prox. 'decoupled' (AReaL): rho, tokens with rho > cap dropped; "
+            "'tis': min(rho, cap); 'mask': rho inside [floor, cap], else 0; 'seq_tis'/'seq_mask': the same with "
+            "the geometric mean of a sequence's token ratios; 'none': w = 1, stale samples treated as on-policy "
+            "(ablation only)."
         },
     )
-    importance_sampling_cap: float = field(
-        default=2.0, metadata={"help": "Truncation cap C of the importance weight min(pi_prox/mu, C)."}
+    importance_sampling_cap: float | None = field(
+        default=None,
+        metadata={
+            "help": "Cap C (upper bound C_max for the mask modes), > 1. Default: 5.0 for 'decoupled', 2.0 otherwise."
+        },
+    )
+    importance_sampling_floor: float = field(
+        default=0.5, metadata={"help": "Lower bound C_min of the 'mask'/'seq_mask' band, in [0, 1)."}
+    )
+    off_policy_bypass: bool = field(
+        default=False,
+        metadata={
+            "help": "Skip the pi_prox forward pass and use pi_prox := mu: GRPOTrainer's clipped ratio becomes "
+            "pi_theta/mu and w = 1. Faster, but the trust region then also has to absorb the staleness."
+        },
     )
     rollout_verify_weights: bool = field(
         default=False,
@@ -166,7 +184,26 @@ class AsyncFields:
             "off_policy_correction",
             f"choose one of {OFF_POLICY_CORRECTIONS}",
         )
-        need(self.importance_sampling_cap > 0, "importance_sampling_cap", "set a positive cap, e.g. 2.0")
+        need(
+            self.importance_sampling_cap is None or self.importance_sampling_cap > 1.0,
+            "importance_sampling_cap",
+            "set a cap > 1 (e.g. 2.0), or None for the mode's default",
+        )
+        need(0.0 <= self.importance_sampling_floor < 1.0, "importance_sampling_floor", "set a floor in [0, 1)")
+        if self.off_policy_correction == "none" and self.max_staleness > 0 and not self.off_policy_bypass:
+            warnings.warn(
+                f"off_policy_correction='none' with max_staleness={self.max_staleness}: samples up to "
+                f"{self.max_staleness} steps stale are trained on as if on-policy (meant for ablations). Use "
+                "'decoupled' (default) or 'tis' for real runs.",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    @property
+    def resolved_importance_sampling_cap(self) -> float:
+        if self.importance_sampling_cap is not None:
+            return self.importance_sampling_cap
+        return DEFAULT_CAPS.get(self.off_policy_correction, 2.0)
 
 
 def async_fields_of(args: GRPOConfig) -> AsyncFields:

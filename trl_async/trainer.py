@@ -26,7 +26,7 @@ from trl.data_utils import is_conversational
 from trl.models.utils import disable_gradient_checkpointing
 
 from .config import async_fields_of
-from .correction import masked_mean, truncated_importance_weights
+from .correction import off_policy_correction
 from .prompts import PromptStream
 from .records import RolloutGroup
 from .rollout_pool import PoolSettings, RolloutPool, ScoredGroup
@@ -303,6 +303,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         metrics = self._metrics["train"]
         metrics["async/staleness_mean"].append(sum(stats.staleness) / len(stats.staleness))
         metrics["async/staleness_max"].append(max(stats.staleness))
+        for k in range(self.async_args.max_staleness + 1):  # histogram: samples per staleness in this batch
+            metrics[f"async/staleness_k{k}"].append(stats.staleness.count(k))
         metrics["async/queue_size"].append(stats.queue_size)
         metrics["async/trainer_wait_s"].append(stats.wait_s)
         metrics["async/dropped_stale"].append(stats.dropped_samples_total)
@@ -345,31 +347,42 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     # ---- off-policy correction -----------------------------------------------------------------------------------
     def _add_off_policy_inputs(self, output: dict) -> None:
-        """Set ``old_per_token_logps`` = pi_prox (the trainer's policy now, one forward pass) and the staleness weight
-        ``importance_sampling_ratio`` = f(pi_prox / mu) that GRPOTrainer's loss multiplies in."""
-        if self.async_args.off_policy_correction == "none":
+        """Set ``old_per_token_logps`` = pi_prox (the trainer's policy now: one forward pass, or mu in bypass mode)
+        and the staleness weight ``importance_sampling_ratio`` = f(pi_prox / mu) that GRPOTrainer's loss multiplies
+        in. With ``off_policy_correction="none"`` (no bypass) neither is set, so GRPOTrainer treats the batch as
+        on-policy, exactly as it treats its own generations."""
+        a = self.async_args
+        if a.off_policy_correction == "none" and not a.off_policy_bypass:
             return
-        mask = output["completion_mask"]
-        if output.get("old_per_token_logps") is None:
-            prompt_completion_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-            attention_mask = torch.cat([output["prompt_mask"], mask], dim=1)
-            with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-                output["old_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
-                    self.model,
-                    prompt_completion_ids,
-                    attention_mask,
-                    output["completion_ids"].size(1),
-                    batch_size=self.args.per_device_train_batch_size,
-                )
-        prox, behaviour = output["old_per_token_logps"], output["sampling_per_token_logps"]
-        weights = truncated_importance_weights(prox, behaviour, mask, self.async_args.importance_sampling_cap)
-        output["importance_sampling_ratio"] = weights
-        raw = torch.exp((prox - behaviour).clamp(-20, 20))
-        metrics = self._metrics["train"]
-        metrics["is/ratio_mean"].append(masked_mean(raw, mask).item())
-        metrics["is/truncated_frac"].append(
-            masked_mean((raw > self.async_args.importance_sampling_cap).float(), mask).item()
-        )
+        mask, behaviour = output["completion_mask"], output["sampling_per_token_logps"]
+        if a.off_policy_bypass:
+            prox = behaviour
+        elif output.get("old_per_token_logps") is not None:  # GRPOTrainer already computed it (same weights)
+            prox = output["old_per_token_logps"]
+        else:
+            prox = self._proximal_logps(output)
+        correction = off_policy_correction(
+            prox, behaviour, mask, a.off_policy_correction, a.resolved_importance_sampling_cap,
+            a.importance_sampling_floor,
+        )  # fmt: skip
+        output["old_per_token_logps"] = prox
+        output["importance_sampling_ratio"] = correction.weights_BT
+        for name, value in correction.stats.items():
+            self._metrics["train"][f"is/{name}"].append(value)
+
+    def _proximal_logps(self, output: dict) -> torch.Tensor:
+        """log pi_prox of the completion tokens under the trainer's current weights (GRPOTrainer's own forward)."""
+        prompt_completion_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            logps, _ = self._get_per_token_logps_and_entropies(
+                self.model,
+                prompt_completion_ids,
+                attention_mask,
+                output["completion_ids"].size(1),
+                batch_size=self.args.per_device_train_batch_size,
+            )[:2]
+        return logps
 
     def _compute_loss(self, model, inputs):
         # GRPOTrainer multiplies `importance_sampling_ratio` into the per-token loss only when
