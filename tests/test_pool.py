@@ -48,8 +48,9 @@ def make_pool(max_staleness, groups_per_batch=2, queue_size=None, workers=1, sco
     )
     prompts = PromptStream(rows, groups_per_batch, shuffle=False, seed=0)
     score = score or (lambda g: ScoredGroup(g, rewards=torch.zeros(G, 1)))
-    named = dict(model.named_parameters())
-    pool = RolloutPool(specs, named, settings, prompts, lambda i: (5, 6, 7 + i), score)
+    weight_specs = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
+    pool = RolloutPool(specs, weight_specs, settings, prompts, lambda i: (5, 6, 7 + i), score)
+    pool.publish([list(model.named_parameters())], version=0)
     return pool, model
 
 
@@ -70,7 +71,7 @@ def test_synchronous_admission_generates_exactly_one_batch_per_published_version
         assert [g.group.prompt_index for g in groups] == [0, 1] and stats.staleness == [0] * 4
         time.sleep(1.0)  # consumed, but version 1 not published: the next batch may not start (it would be stale)
         assert pool.admitted == 2
-        pool.publish(model.named_parameters(), version=1)
+        pool.publish([list(model.named_parameters())], version=1)
         groups, stats = pool.take(2, consumer_version=1)
         assert [g.group.prompt_index for g in groups] == [2, 3]
         assert all(set(g.group.token_versions) == {1} for g in groups) and stats.staleness == [0] * 4
@@ -98,7 +99,7 @@ def test_stale_groups_are_dropped_counted_and_their_prompts_regenerated():
     pool, model = make_pool(max_staleness=0)
     try:
         wait_until(lambda: pool.ready_count == 2)  # prompts 0 and 1 generated with version 0
-        pool.publish(model.named_parameters(), version=1)
+        pool.publish([list(model.named_parameters())], version=1)
         groups, stats = pool.take(2, consumer_version=1)  # version-0 groups are 1 step stale: never trained on
         assert pool.dropped_groups == 2 and stats.dropped_samples_total == 2 * G
         assert sorted(g.group.prompt_index for g in groups) == [0, 1]  # same prompts, generated again

@@ -9,11 +9,12 @@ def test_publish_then_pull_copies_exactly_and_only_when_newer():
     tok = build_char_tokenizer()
     trainer_model, worker_model = build_tiny_model(tok, seed=0), build_tiny_model(tok, seed=1)
     named = dict(trainer_model.named_parameters())
-    shared = SharedMemoryWeights(named, ctx)
+    shared = SharedMemoryWeights({n: (tuple(p.shape), p.dtype) for n, p in named.items()}, ctx)
     params = dict(worker_model.named_parameters())
     assert shared.pull_into(params, have_version=-1) is None  # nothing published yet
 
-    shared.publish(named.items(), version=0)
+    items = list(named.items())
+    shared.publish([items[:3], items[3:]], version=0)  # two buckets
     assert shared.pull_into(params, have_version=-1) == 0
     assert weights_digest(worker_model.named_parameters()) == weights_digest(trainer_model.named_parameters())
     assert shared.pull_into(params, have_version=0) is None
@@ -22,7 +23,7 @@ def test_publish_then_pull_copies_exactly_and_only_when_newer():
         for p in trainer_model.parameters():
             p.add_(0.01)
     assert weights_digest(worker_model.named_parameters()) != weights_digest(trainer_model.named_parameters())
-    shared.publish(trainer_model.named_parameters(), version=1)
+    shared.publish([list(trainer_model.named_parameters())], version=1)
     assert shared.pull_into(params, have_version=0) == 1
     for name, p in trainer_model.named_parameters():
         assert torch.equal(params[name], p), name
@@ -31,11 +32,12 @@ def test_publish_then_pull_copies_exactly_and_only_when_newer():
 def test_publish_refuses_an_incomplete_set():
     ctx = torch.multiprocessing.get_context("spawn")
     model = build_tiny_model(build_char_tokenizer())
-    shared = SharedMemoryWeights(dict(model.named_parameters()), ctx)
+    shared = SharedMemoryWeights({n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}, ctx)
     partial = list(model.named_parameters())[:-1]
     try:
-        shared.publish(partial, version=0)
+        shared.publish([partial], version=0)
     except RuntimeError as exc:
         assert "missing" in str(exc)
     else:
         raise AssertionError("an incomplete publish must fail")
+    assert shared.version == -1  # and the version did not advance

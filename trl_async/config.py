@@ -110,6 +110,13 @@ class AsyncFields:
             "pi_theta/mu and w = 1. Faster, but the trust region then also has to absorb the staleness."
         },
     )
+    weight_sync_bucket_mb: float = field(
+        default=256.0,
+        metadata={
+            "help": "Weight sync moves the policy in buckets of at most this many MB (under ZeRO-3, one "
+            "all-gather per bucket), which bounds the extra memory a sync needs."
+        },
+    )
     rollout_verify_weights: bool = field(
         default=False,
         metadata={
@@ -178,6 +185,7 @@ class AsyncFields:
             "rollout_torch_threads",
             "set it to 1 or more",
         )
+        need(self.weight_sync_bucket_mb > 0, "weight_sync_bucket_mb", "set a positive size in MB")
         need(self.rollout_timeout_s > 0, "rollout_timeout_s", "set a positive number of seconds")
         need(
             self.off_policy_correction in OFF_POLICY_CORRECTIONS,

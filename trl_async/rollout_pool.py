@@ -26,7 +26,7 @@ import torch
 from .prompts import PromptStream
 from .records import RolloutGroup, RolloutTask, WeightsAdopted, WorkerFailed, WorkerReady
 from .staleness import max_groups_admitted, staleness
-from .weights import SharedMemoryWeights, weights_digest
+from .weights import Digest, SharedMemoryWeights
 from .worker import WorkerSpec, worker_main
 
 
@@ -84,7 +84,7 @@ class RolloutPool:
     def __init__(
         self,
         specs: list[WorkerSpec],
-        initial_weights: dict[str, torch.Tensor],
+        weight_specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
         settings: PoolSettings,
         prompts: PromptStream,
         tokenize_row: Callable[[int], tuple[int, ...]],
@@ -95,13 +95,13 @@ class RolloutPool:
         self._tokenize_row = tokenize_row
         self._score_group = score_group
         self._ctx = torch.multiprocessing.get_context("spawn")
-        self._weights = SharedMemoryWeights(initial_weights, self._ctx)
+        self._weights = SharedMemoryWeights(weight_specs, self._ctx)
         self._task_queue = self._ctx.Queue()
         self._result_queue = self._ctx.Queue()
         self._cv = threading.Condition()
         self._stop = False
         self._error: BaseException | None = None
-        self._published = settings.start_version
+        self._published: int | None = None  # nothing is admitted before the first publish
         self._admitted = 0  # groups dispatched and not dropped
         self._consumed = 0
         self._next_group_id = 0
@@ -114,7 +114,6 @@ class RolloutPool:
         self._tokens_since_take = 0
         self._last_take_end = time.perf_counter()
 
-        self.publish(initial_weights.items(), settings.start_version)
         self._processes = []
         with _no_main_reimport():
             for spec in specs:
@@ -134,15 +133,16 @@ class RolloutPool:
             t.start()
 
     # ---- main thread -------------------------------------------------------------------------------------------
-    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
-        """Make ``named_tensors`` the weights of ``version``; workers adopt them at their next safe point."""
+    def publish(self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]], version: int) -> float:
+        """Make the streamed tensors the weights of ``version`` (see ``SharedMemoryWeights.publish``); workers adopt
+        them at their next safe point. Returns the seconds it took."""
         start = time.perf_counter()
-        named_tensors = list(named_tensors)
-        if self.settings.verify_weights:
-            self._expected_digests[version] = weights_digest(named_tensors)
+        digest = Digest() if self.settings.verify_weights else None
+        self._weights.publish(buckets, version, digest)
+        if digest is not None:
+            self._expected_digests[version] = digest.hexdigest()
             for old in [v for v in self._expected_digests if v < version - 64]:  # bounded history
                 del self._expected_digests[old]
-        self._weights.publish(named_tensors, version)
         with self._cv:
             self._published = version
             self._cv.notify_all()
@@ -250,6 +250,8 @@ class RolloutPool:
 
     def _admission_limit(self) -> int:
         s = self.settings
+        if self._published is None:
+            return 0
         by_staleness = max_groups_admitted(
             self._published,
             s.max_staleness,

@@ -11,13 +11,11 @@ with the trainer's weights, exactly as GRPOTrainer does.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
-from collections.abc import Iterator
 
 import torch
-from accelerate.utils import gather, is_peft_model
+from accelerate.utils import broadcast_object_list, gather, is_peft_model
 from datasets import IterableDataset
 from transformers import TrainerCallback
 from transformers.utils import logging
@@ -31,6 +29,7 @@ from .prompts import PromptStream
 from .records import RolloutGroup
 from .rollout_pool import PoolSettings, RolloutPool, ScoredGroup
 from .scoring import RewardScorer, decode_completions
+from .weight_sync import iter_policy_buckets, policy_specs
 from .worker import WorkerSpec
 
 logger = logging.get_logger(__name__)
@@ -120,17 +119,13 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._rollout_batch_groups = self.async_args.rollout_batch_groups or math.ceil(
             self._groups_per_batch / workers
         )
-        self._pool: RolloutPool | None = None
+        self._pool: RolloutPool | None = None  # main process only
+        self._pool_started = False
         self.last_rollout_pool: RolloutPool | None = None
-        self._consuming: list[ScoredGroup] | None = None
+        self._consuming: list[tuple[ScoredGroup, int]] | None = None  # (group, completion index) per local row
         self.add_callback(_PublishWeights(self))
 
     def _check_async_supported(self) -> None:
-        if self.accelerator.num_processes > 1:
-            raise NotImplementedError(
-                "AsyncGRPOTrainer runs on one training process for now; multi-process (DDP/DeepSpeed) support is "
-                "tracked separately. Launch with a single process."
-            )
         if self._is_vlm:
             raise NotImplementedError("AsyncGRPOTrainer does not support vision-language models (image inputs) yet.")
         per_batch = self.args.steps_per_generation * self.num_iterations
@@ -159,6 +154,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def close_rollouts(self) -> None:
         """Stop and join every rollout worker (``train`` does this itself). The closed pool stays readable as
         ``last_rollout_pool`` (its counters: drops, verified weight adoptions, worker pids)."""
+        self._pool_started = False
         if self._pool is not None:
             pool, self._pool = self._pool, None
             self.last_rollout_pool = pool
@@ -173,13 +169,14 @@ class AsyncGRPOTrainer(GRPOTrainer):
         args, a = self.args, self.async_args
         model = self.accelerator.unwrap_model(self.model)
         base = model.get_base_model() if is_peft_model(model) else model
+        dtype = next(base.parameters()).dtype
         start_version = self.state.global_step
         specs = [
             WorkerSpec(
                 worker_id=i,
                 model_class=type(base),
                 model_config=base.config,
-                dtype=next(base.parameters()).dtype,
+                dtype=dtype,
                 device=a.rollout_device,
                 generation_config=self.generation_config,
                 num_generations=self.num_generations,
@@ -209,38 +206,39 @@ class AsyncGRPOTrainer(GRPOTrainer):
             seed=args.seed,
             skip_batches=start_version // self._steps_per_batch,
         )
-        with self._policy_tensors() as named:
-            initial = dict(named)
-            return RolloutPool(specs, initial, settings, prompts, self._make_tokenize_row(), self._make_score_group())
+        weight_specs = policy_specs(model)
+        return RolloutPool(specs, weight_specs, settings, prompts, self._make_tokenize_row(), self._make_score_group())
+
+    def _ensure_pool(self) -> None:
+        """Start the workers (main process only) and publish the current weights as the first version. Every rank
+        takes part in the publish: under ZeRO-3 it is a series of all-gathers."""
+        if self._pool_started:
+            return
+        if self.accelerator.is_main_process:
+            self._pool = self._start_pool()
+        self._pool_started = True
+        self._publish_weights(self.state.global_step)
 
     # ---- weights -------------------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _policy_tensors(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """The policy's tensors under the worker model's names. For PEFT, adapters are merged for the duration and
-        unmerged afterwards, so the tensors must be copied before the context exits."""
-        model = self.accelerator.unwrap_model(self.model)
-        if not is_peft_model(model):
-            yield [*model.named_parameters(), *model.named_buffers()]
-            return
-        model.merge_adapter()
-        try:
-            named = []
-            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-                if "lora_" in name or ".original_module." in name:
-                    continue
-                name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-                named.append((name.replace(".modules_to_save.default.", "."), tensor))
-            yield named
-        finally:
-            model.unmerge_adapter()
+    def _publish_weights(self, version: int) -> None:
+        """All ranks, main thread, same order: stream the full policy bucket by bucket; the main process copies
+        each bucket into the workers' shared memory before the next bucket is gathered."""
+        buckets = iter_policy_buckets(
+            self.accelerator.unwrap_model(self.model),
+            self._dist.gather_params,
+            int(self.async_args.weight_sync_bucket_mb * 2**20),
+        )
+        if self._pool is not None:
+            seconds = self._pool.publish(buckets, version)
+            self._metrics["train"]["async/weight_sync_s"].append(seconds)
+        else:
+            for _ in buckets:  # take part in the gathers
+                pass
 
     def _maybe_publish_weights(self) -> None:
         step = self.state.global_step
-        if self._pool is None or step % self.async_args.weight_sync_steps != 0:
-            return
-        with self._policy_tensors() as named:
-            seconds = self._pool.publish(named, step)
-        self._metrics["train"]["async/weight_sync_s"].append(seconds)
+        if self._pool_started and step % self.async_args.weight_sync_steps == 0:
+            self._publish_weights(step)
 
     # ---- background helpers (run on the pool's threads; no collectives, own tokenizer copies) ----------------------
     def _make_tokenize_row(self):
@@ -289,14 +287,24 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         if not self.model.training:
             return super()._generate_and_score_completions(inputs)
-        if self._pool is None:
-            self._pool = self._start_pool()
-        groups, stats = self._pool.take(self._groups_per_batch, self.state.global_step)
-        rows = [self.train_dataset[g.group.prompt_index] for g in groups for _ in range(self.num_generations)]
-        self._forward_reward_logs(groups)
-        self._consuming = groups
+        self._ensure_pool()
+        payload = [None]
+        if self._pool is not None:  # main process: take the next generation batch for all ranks
+            payload = [self._pool.take(self._groups_per_batch, self.state.global_step)]
+        if self.accelerator.num_processes > 1:
+            payload = broadcast_object_list(payload, from_process=0)
+        groups, stats = payload[0]
+        # GRPOTrainer gives each rank a contiguous slice of the generation batch's rows (groups stay contiguous in
+        # the global order, which its gathered-reward advantage computation relies on)
+        rows = [(g, j) for g in groups for j in range(self.num_generations)]
+        per_rank = len(rows) // self.accelerator.num_processes
+        local = rows[self.accelerator.process_index * per_rank : (self.accelerator.process_index + 1) * per_rank]
+        self._forward_reward_logs(local)
+        self._consuming = local
         try:
-            output = super()._generate_and_score_completions(rows)
+            output = super()._generate_and_score_completions(
+                [self.train_dataset[g.group.prompt_index] for g, _ in local]
+            )
         finally:
             self._consuming = None
         self._add_off_policy_inputs(output)
@@ -316,34 +324,34 @@ class AsyncGRPOTrainer(GRPOTrainer):
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
-        groups = [g.group for g in self._consuming]
-        expected = [list(g.prompt_ids) for g in groups for _ in range(self.num_generations)]
+        expected = [list(g.group.prompt_ids) for g, _ in self._consuming]
         if [list(p) for p in prompt_ids] != expected:
             raise RuntimeError(
                 "the rollout workers tokenized a prompt differently from GRPOTrainer; refusing to train on "
                 "completions of a different prompt"
             )
-        completion_ids = [list(c) for g in groups for c in g.completion_ids]
-        logprobs = [list(lp) for g in groups for lp in g.logprobs]
+        completion_ids = [list(g.group.completion_ids[j]) for g, j in self._consuming]
+        logprobs = [list(g.group.logprobs[j]) for g, j in self._consuming]
         return completion_ids, logprobs
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         if self._consuming is None:
             return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        local = torch.cat([g.rewards for g in self._consuming]).to(self.accelerator.device)
+        local = torch.stack([g.rewards[j] for g, j in self._consuming]).to(self.accelerator.device)
         return gather(local)  # main thread: GRPOTrainer normalises advantages over the gathered rewards
 
-    def _forward_reward_logs(self, groups: list[ScoredGroup]) -> None:
+    def _forward_reward_logs(self, rows: list[tuple[ScoredGroup, int]]) -> None:
         """Hand what reward functions logged (via ``log_extra``/``log_metric``) during background scoring to
-        GRPOTrainer's buffers, aligned with the rows of this batch."""
-        columns = sorted({c for g in groups for c in g.extra_logs})
+        GRPOTrainer's buffers, aligned with this rank's rows; a group's metrics go with its first row."""
+        columns = sorted({c for g, _ in rows for c in g.extra_logs})
         for column in columns:
-            for g in groups:
-                values = g.extra_logs.get(column, [None] * self.num_generations)
-                self._pending_extra_logs[column].extend(values)
-        for g in groups:
-            for name, values in g.metrics.items():
-                self._pending_metrics[name].extend(values)
+            self._pending_extra_logs[column].extend(
+                g.extra_logs[column][j] if column in g.extra_logs else None for g, j in rows
+            )
+        for g, j in rows:
+            if j == 0:
+                for name, values in g.metrics.items():
+                    self._pending_metrics[name].extend(values)
 
     # ---- off-policy correction -----------------------------------------------------------------------------------
     def _add_off_policy_inputs(self, output: dict) -> None:

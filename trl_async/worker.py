@@ -157,7 +157,7 @@ def worker_main(spec: WorkerSpec, weights: SharedMemoryWeights, task_queue, resu
                 digest = weights_digest(params.items()) if spec.verify_weights else None
                 result_queue.put(WeightsAdopted(spec.worker_id, new_version, digest))
 
-        while weights.version < 0:  # the trainer publishes before starting workers; this is a guard
+        while weights.version < 0:  # the trainer publishes right after starting the workers
             time.sleep(0.01)
         adopt()
         result_queue.put(WorkerReady(spec.worker_id, os.getpid()))

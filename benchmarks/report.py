@@ -1,0 +1,49 @@
+"""Shared output for benchmarks: a JSON file, a markdown table spliced into benchmarks/README.md, a PNG path."""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+
+def machine() -> dict:
+    return {"cpu_count": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__}
+
+
+def write_json(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **payload}, indent=1))
+    return path
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def update_readme(section: str, body: str) -> None:
+    """Replace the text between ``<!-- section:begin -->`` and ``<!-- section:end -->`` (appended if absent)."""
+    readme = HERE / "README.md"
+    text = readme.read_text() if readme.exists() else "# Benchmarks\n"
+    begin, end = f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
+    block = f"{begin}\n{body.strip()}\n{end}"
+    if begin in text:
+        text = re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S)
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    readme.write_text(text)
+
+
+def png_path(name: str) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    return RESULTS / f"{name}.png"

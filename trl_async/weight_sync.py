@@ -1,0 +1,117 @@
+"""Full policy tensors out of the training model, bucket by bucket, for the rollout workers.
+
+The trainer's model may be plain, DDP, DeepSpeed ZeRO-2 (full parameters on every rank) or ZeRO-3 (each rank holds a
+shard), and may carry LoRA adapters. Workers need plain full tensors under the base model's names, with adapters
+merged. ``iter_policy_buckets`` yields them in buckets of bounded size: under ZeRO-3 every rank must iterate it in
+lock-step on its main thread (each bucket is one ``GatheredParameters`` all-gather, through TRL's
+``DistributedBackend``), and the tensors of a bucket are only valid until the generator is resumed, because the
+gather context closes then: the consumer copies them out before asking for the next bucket. LoRA is merged one layer
+at a time (W + peft's own ``get_delta_weight``) without touching the training weights, so nothing needs unmerging and
+the whole model is never materialised at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from accelerate.utils import is_peft_model
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One tensor the workers receive: the parameters to gather for it and how to compute it once gathered."""
+
+    name: str
+    params: tuple[torch.Tensor, ...]
+    compute: Callable[[], torch.Tensor]
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _full_shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(getattr(t, "ds_shape", t.shape))  # ZeRO-3 partitioned params keep their full shape in ds_shape
+
+
+def _unit(name: str, tensor: torch.Tensor, params=None, compute=None) -> _Unit:
+    shape = _full_shape(tensor)
+    nbytes = int(torch.Size(shape).numel()) * tensor.element_size()
+    gathered = tuple(params) if params is not None else ((tensor,) if isinstance(tensor, torch.nn.Parameter) else ())
+    return _Unit(name, gathered, compute or (lambda: tensor.data), nbytes, shape, tensor.dtype)
+
+
+def _clean_peft_name(name: str) -> str:
+    return (
+        name.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+    )
+
+
+def _peft_units(model) -> list[_Unit]:
+    from peft.tuners.lora import LoraLayer
+
+    units, covered = [], set()
+    for module_name, module in model.named_modules():
+        if not isinstance(module, LoraLayer) or module.disable_adapters:
+            continue
+        base = module.get_base_layer()
+        adapters = [a for a in module.active_adapters if a in module.lora_A]
+        for a in adapters:
+            if a in getattr(module, "lora_variant", {}) or getattr(module, "lora_bias", {}).get(a, False):
+                raise NotImplementedError(
+                    f"{module_name}: only plain LoRA adapters can be merged for the rollout workers (not DoRA or "
+                    "other variants, nor lora_bias)"
+                )
+        extra = [p for a in adapters for p in (module.lora_A[a].weight, module.lora_B[a].weight)]
+
+        def merged(base=base, module=module, adapters=adapters):
+            weight = base.weight.data.clone()
+            for a in adapters:
+                weight += module.get_delta_weight(a).to(weight.dtype)
+            return weight
+
+        units.append(
+            _unit(_clean_peft_name(f"{module_name}.base_layer.weight"), base.weight, (base.weight, *extra), merged)
+        )
+        covered.add(id(base.weight))
+    for name, p in model.named_parameters():
+        if id(p) in covered or "lora_" in name or ".original_module." in name:
+            continue
+        units.append(_unit(_clean_peft_name(name), p))
+    for name, b in model.named_buffers():
+        units.append(_unit(_clean_peft_name(name), b))
+    return units
+
+
+def policy_units(model: torch.nn.Module) -> list[_Unit]:
+    """What the workers receive, in a fixed order: parameters then buffers, under the base model's names."""
+    if is_peft_model(model):
+        return _peft_units(model)
+    return [_unit(n, p) for n, p in model.named_parameters()] + [_unit(n, b) for n, b in model.named_buffers()]
+
+
+def policy_specs(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Full shape and dtype of every tensor ``iter_policy_buckets`` yields (readable without any gather)."""
+    return {u.name: (u.shape, u.dtype) for u in policy_units(model)}
+
+
+def iter_policy_buckets(
+    model: torch.nn.Module, gather_params, bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yield ``[(name, full tensor), ...]`` buckets of at most ``bucket_bytes`` (one oversized tensor goes alone).
+
+    ``gather_params`` is ``DistributedBackend.gather_params`` (a no-op context without ZeRO-3). Every rank must
+    exhaust this generator in the same order; tensors are valid only until the next ``next()``.
+    """
+    bucket: list[_Unit] = []
+    size = 0
+    for unit in [*policy_units(model), None]:
+        if bucket and (unit is None or size + unit.nbytes > bucket_bytes):
+            params = [p for u in bucket for p in u.params]
+            with torch.no_grad(), gather_params(params):
+                yield [(u.name, u.compute()) for u in bucket]
+            bucket, size = [], 0
+        if unit is not None:
+            bucket.append(unit)
+            size += unit.nbytes
