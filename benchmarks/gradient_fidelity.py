@@ -27,11 +27,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import cpu_demo  # noqa: E402
+import report  # noqa: E402
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-import cpu_demo  # noqa: E402
-import report  # noqa: E402
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
 from trl_async.correction import off_policy_correction  # noqa: E402
 from trl_async.records import RolloutTask  # noqa: E402

@@ -25,11 +25,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import cpu_demo  # noqa: E402
+import report  # noqa: E402
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-import cpu_demo  # noqa: E402
-import report  # noqa: E402
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
 from trl_async.tiny import save_tiny_model  # noqa: E402
 
@@ -131,7 +131,7 @@ def main() -> None:
     for staleness in staleness_values:
         for mode in modes:
             rs = [r for r in results if r["mode"] == mode and r["max_staleness"] == staleness]
-            avg = lambda key: statistics.fmean(r[key] for r in rs) if rs[0][key] is not None else "-"  # noqa: E731
+            avg = lambda key, rs=rs: statistics.fmean(r[key] for r in rs) if rs[0][key] is not None else "-"  # noqa: E731
             finals = [r["final_reward"] for r in rs]
             spread = f"{min(finals):.3f}-{max(finals):.3f}"
             rows.append([staleness, mode, avg("mean_staleness"), avg("final_reward"), spread, avg("ess"),
