@@ -1,0 +1,94 @@
+"""Run by tests/test_distributed.py under `accelerate launch` (2 processes, gloo): trains a few async steps, then
+compares the workers' weights (the last published version) with the consolidated trainer weights."""
+
+import argparse
+import json
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+
+from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
+
+
+def reward(completions, **kwargs):
+    return [sum(ch in "abc" for ch in c) / 6 for c in completions]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--peft", action="store_true")
+    parser.add_argument("--use_cpu", action="store_true", help="DDP on CPU: accelerate's MULTI_CPU (gloo)")
+    cli = parser.parse_args()
+    torch.set_num_threads(1)
+    args = AsyncGRPOConfig(
+        output_dir=os.path.join(os.path.dirname(cli.out), "run"),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        num_generations=4,  # global generation batch: 2 ranks x 4 rows = 2 groups, one per rank
+        max_completion_length=6,
+        learning_rate=5e-2,
+        logging_steps=1,
+        report_to=[],
+        bf16=False,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        ddp_backend="gloo",
+        use_cpu=cli.use_cpu,
+        max_staleness=1,
+        rollout_verify_weights=True,
+        weight_sync_bucket_mb=0.05,  # several buckets even for the tiny model
+    )
+    peft_config = None
+    if cli.peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    ds = Dataset.from_list([{"prompt": f"p{i}:"} for i in range(16)])
+    trainer = AsyncGRPOTrainer(
+        model=cli.model, reward_funcs=reward, args=args, train_dataset=ds, peft_config=peft_config
+    )
+    trainer.train()
+
+    full = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # collective: every rank calls it
+    if trainer.accelerator.is_main_process:
+        if cli.peft:  # independent reference: peft's own merge on a CPU copy holding the consolidated weights
+            import copy
+
+            reference_model = copy.deepcopy(trainer.accelerator.unwrap_model(trainer.model)).cpu()
+            for name, p in reference_model.named_parameters():
+                p.data = full[name].clone() if name in full else p.data
+            reference = dict(reference_model.merge_and_unload().state_dict())
+        else:
+            reference = full
+        pool = trainer.last_rollout_pool
+        compared, mismatches = 0, []
+        for name, tensor in pool._weights.tensors.items():
+            if name in reference:
+                compared += 1
+                if not torch.allclose(tensor, reference[name].to(tensor.dtype), rtol=0, atol=1e-6 if cli.peft else 0):
+                    mismatches.append(name)
+        logs = [h for h in trainer.state.log_history if "async/staleness_max" in h]
+        result = {
+            "zero_stage": trainer._dist.zero_stage,
+            "num_processes": trainer.accelerator.num_processes,
+            "steps": trainer.state.global_step,
+            "max_staleness_seen": max(h["async/staleness_max"] for h in logs),
+            "verified_adoptions": pool.verified_adoptions,
+            "compared": compared,
+            "expected": len(pool._weights.tensors),
+            "mismatches": mismatches,
+            "not_compared": [n for n in pool._weights.tensors if n not in reference],
+            "workers_alive": [p.is_alive() for p in pool.processes],
+        }
+        with open(cli.out, "w") as f:
+            json.dump(result, f)
+    trainer.accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main()
