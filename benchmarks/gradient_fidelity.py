@@ -16,7 +16,6 @@ Writes benchmarks/results/gradient_fidelity.{json,png} and the table in benchmar
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import statistics
 import sys
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cpu_demo  # noqa: E402
 import report  # noqa: E402
 import torch  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
+from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
 from trl_async.correction import off_policy_correction  # noqa: E402
@@ -47,10 +46,10 @@ class Versions(TrainerCallback):
         self.states = []
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.states.append(copy.deepcopy(model.state_dict()))
+        self.states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        self.states.append(copy.deepcopy(model.state_dict()))
+        self.states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
 
 
 def sample_batch(trainer, behaviour, prompts: list[str], generator_seed: int) -> dict:
@@ -86,7 +85,7 @@ def sample_batch(trainer, behaviour, prompts: list[str], generator_seed: int) ->
     }
 
 
-def gradient(trainer, batch: dict, mode: str) -> torch.Tensor:
+def gradient(trainer, batch: dict, mode: str, stats: list | None = None) -> torch.Tensor:
     model = trainer.model
     inputs = {k: v for k, v in batch.items() if k != "mu"}
     if mode != "none":
@@ -96,6 +95,8 @@ def gradient(trainer, batch: dict, mode: str) -> torch.Tensor:
             prox, batch["mu"], inputs["completion_mask"], name, CAPS.get(name, 2.0), 0.5
         )
         inputs["old_per_token_logps"], inputs["importance_sampling_ratio"] = prox, correction.weights_BT
+        if stats is not None:
+            stats.append(correction.stats)
     model.zero_grad()
     trainer._compute_loss(model, inputs).backward()
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
@@ -104,15 +105,16 @@ def gradient(trainer, batch: dict, mode: str) -> torch.Tensor:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--lr", type=float, default=2e-3)
     cli = parser.parse_args()
     torch.set_num_threads(1)
-    train_steps, staleness_values = (4, [0, 2, 4]) if cli.quick else (8, [0, 1, 2, 4, 8])
+    train_steps, staleness_values = (8, [0, 4, 8]) if cli.quick else (16, [0, 1, 2, 4, 8, 16])
     repeats, ref_batches, prompts_per_batch = (3, 4, 16) if cli.quick else (8, 16, 32)
 
     work = tempfile.mkdtemp(prefix="grad_fidelity_")
     model_dir = str(save_tiny_model(os.path.join(work, "model"), chars=cpu_demo.VOCAB))
     settings = {**cpu_demo.DEMO_DEFAULTS, "output_dir": os.path.join(work, "out"), "max_steps": train_steps}
-    settings.update(learning_rate=1e-2, max_staleness=0, logging_steps=100)
+    settings.update(learning_rate=cli.lr, max_staleness=0, logging_steps=100)
     versions = Versions()
     dataset = cpu_demo.make_dataset()
     trainer = AsyncGRPOTrainer(
@@ -122,7 +124,7 @@ def main() -> None:
     trainer.train()
     trainer.current_gradient_accumulation_steps = 1
     current = versions.states[-1]
-    behaviour = copy.deepcopy(trainer.model).eval()
+    behaviour = AutoModelForCausalLM.from_pretrained(model_dir).eval()  # its own parameters
     prompts = [dataset[i % len(dataset)]["prompt"] for i in range(prompts_per_batch)]
 
     trainer.model.load_state_dict(current)
@@ -132,18 +134,24 @@ def main() -> None:
         [gradient(trainer, sample_batch(trainer, behaviour, prompts, 10_000 + i), "none") for i in range(ref_batches)]
     ).mean(0)
 
-    cos = {}
+    cos, stats = {}, {}
     for k in staleness_values:
         behaviour.load_state_dict(versions.states[train_steps - k])
         for r in range(repeats):
             batch = sample_batch(trainer, behaviour, prompts, 1_000 * k + r)
             for mode in MODES:
-                g = gradient(trainer, batch, mode)
+                g = gradient(trainer, batch, mode, stats.setdefault((k, mode), []))
                 cos.setdefault((k, mode), []).append(torch.nn.functional.cosine_similarity(g, reference, 0).item())
-        print(f"k={k}: " + ", ".join(f"{m} {statistics.fmean(cos[(k, m)]):.3f}" for m in MODES), flush=True)
+        ess = statistics.fmean(st["ess"] for st in stats[(k, "tis")])
+        kl = statistics.fmean(st["kl_behaviour"] for st in stats[(k, "tis")])
+        print(f"k={k} (ESS {ess:.3f}, KL {kl:.4f}): " + ", ".join(f"{m} {statistics.fmean(cos[(k, m)]):.3f}" for m in MODES), flush=True)
 
-    rows = [[k] + [statistics.fmean(cos[(k, m)]) for m in MODES] for k in staleness_values]
-    table = report.markdown_table(["staleness k"] + MODES, rows)
+    rows = [
+        [k, statistics.fmean(st["kl_behaviour"] for st in stats[(k, "tis")]),
+         statistics.fmean(st["ess"] for st in stats[(k, "decoupled")])] + [statistics.fmean(cos[(k, m)]) for m in MODES]
+        for k in staleness_values
+    ]  # fmt: skip
+    table = report.markdown_table(["staleness k", "KL(μ‖π_prox)", "ESS (decoupled)"] + MODES, rows)
     report.write_json(
         "gradient_fidelity",
         {"settings": {"train_steps": train_steps, "repeats": repeats, "ref_batches": ref_batches,
@@ -168,7 +176,7 @@ def main() -> None:
         f"### Gradient fidelity (`{command}`)\n\nCosine similarity between the corrected gradient of one "
         f"{prompts_per_batch * trainer.num_generations}-sample batch from a k-stale policy and the on-policy "
         f"gradient ({ref_batches} fresh batches), mean of {repeats} batches; policy trained {train_steps} steps "
-        f"at lr 1e-2.\n\n{table}\n\n![](results/gradient_fidelity.png)",
+        f"at lr {cli.lr}.\n\n{table}\n\n![](results/gradient_fidelity.png)",
     )
     print(table)
 

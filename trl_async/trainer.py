@@ -12,9 +12,11 @@ with the trainer's weights, exactly as GRPOTrainer does.
 from __future__ import annotations
 
 import copy
+import datetime
 import math
 
 import torch
+import torch.distributed as dist
 from accelerate.utils import broadcast_object_list, gather, is_peft_model
 from datasets import IterableDataset
 from transformers import TrainerCallback
@@ -219,6 +221,21 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._pool_started = True
         self._publish_weights(self.state.global_step)
 
+    def _check_all_ranks_arrive(self, what: str) -> None:
+        """Bounded rendezvous before a collective: with gloo, ``monitored_barrier`` names the ranks that did not
+        arrive within 2 x ``rollout_timeout_s`` (rank 0 itself may wait up to ``rollout_timeout_s`` for rollouts).
+        NCCL has no monitored barrier; there the process-group timeout (``ddp_timeout``) bounds the wait."""
+        if dist.get_backend() != "gloo":
+            return
+        timeout = datetime.timedelta(seconds=2 * self.async_args.rollout_timeout_s)
+        try:
+            dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"AsyncGRPOTrainer (rank {self.accelerator.process_index}): not every rank reached {what} within "
+                f"{timeout.total_seconds():.0f}s (2 x rollout_timeout_s): {exc}"
+            ) from exc
+
     # ---- weights -------------------------------------------------------------------------------------------------
     def _publish_weights(self, version: int) -> None:
         """All ranks, main thread, same order: stream the full policy bucket by bucket; the main process copies
@@ -292,6 +309,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if self._pool is not None:  # main process: take the next generation batch for all ranks
             payload = [self._pool.take(self._groups_per_batch, self.state.global_step)]
         if self.accelerator.num_processes > 1:
+            self._check_all_ranks_arrive("the next rollout batch")
             payload = broadcast_object_list(payload, from_process=0)
         groups, stats = payload[0]
         # GRPOTrainer gives each rank a contiguous slice of the generation batch's rows (groups stay contiguous in

@@ -23,6 +23,7 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--peft", action="store_true")
     parser.add_argument("--use_cpu", action="store_true", help="DDP on CPU: accelerate's MULTI_CPU (gloo)")
+    parser.add_argument("--stall_rank1", type=float, default=0.0, help="rank 1 sleeps this long before step 2")
     cli = parser.parse_args()
     torch.set_num_threads(1)
     args = AsyncGRPOConfig(
@@ -49,10 +50,29 @@ def main():
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     ds = Dataset.from_list([{"prompt": f"p{i}:"} for i in range(16)])
+    callbacks = []
+    if cli.stall_rank1:
+        import time
+
+        from transformers import TrainerCallback
+
+        class Stall(TrainerCallback):  # a rank that stops arriving (e.g. a stuck data loader or a deadlock)
+            def on_step_begin(self, args, state, control, **kwargs):
+                if state.global_step == 1 and int(os.environ.get("RANK", 0)) == 1:
+                    time.sleep(cli.stall_rank1)
+
+        callbacks.append(Stall())
+        args.rollout_timeout_s = 15.0
     trainer = AsyncGRPOTrainer(
-        model=cli.model, reward_funcs=reward, args=args, train_dataset=ds, peft_config=peft_config
+        model=cli.model, reward_funcs=reward, args=args, train_dataset=ds, peft_config=peft_config, callbacks=callbacks
     )
-    trainer.train()
+    try:
+        trainer.train()
+    except RuntimeError as exc:
+        if cli.stall_rank1 and trainer.accelerator.is_main_process:
+            with open(cli.out, "w") as f:
+                json.dump({"error": str(exc)}, f)
+        raise
 
     full = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # collective: every rank calls it
     if trainer.accelerator.is_main_process:
