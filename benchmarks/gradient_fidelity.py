@@ -144,7 +144,11 @@ def main() -> None:
                 cos.setdefault((k, mode), []).append(torch.nn.functional.cosine_similarity(g, reference, 0).item())
         ess = statistics.fmean(st["ess"] for st in stats[(k, "tis")])
         kl = statistics.fmean(st["kl_behaviour"] for st in stats[(k, "tis")])
-        print(f"k={k} (ESS {ess:.3f}, KL {kl:.4f}): " + ", ".join(f"{m} {statistics.fmean(cos[(k, m)]):.3f}" for m in MODES), flush=True)
+        print(
+            f"k={k} (ESS {ess:.3f}, KL {kl:.4f}): "
+            + ", ".join(f"{m} {statistics.fmean(cos[(k, m)]):.3f}" for m in MODES),
+            flush=True,
+        )
 
     rows = [
         [k, statistics.fmean(st["kl_behaviour"] for st in stats[(k, "tis")]),

@@ -37,7 +37,6 @@ def measure(out_path: str, sizes: list[str]) -> None:
     import torch
     import torch.distributed as dist
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from trl.distributed import DistributedBackend
 
@@ -45,9 +44,15 @@ def measure(out_path: str, sizes: list[str]) -> None:
     from trl_async.weights import SharedMemoryWeights
 
     torch.set_num_threads(1)
+    ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if ds_file:  # no Trainer here to resolve DeepSpeed's "auto" batch sizes: pin them for 2 processes
+        ds = json.loads(Path(ds_file).read_text())
+        ds.update(train_micro_batch_size_per_gpu=1, train_batch_size=2, gradient_accumulation_steps=1)
+        ds.update(gradient_clipping=1.0, bf16={"enabled": False}, fp16={"enabled": False})
+        pinned = Path(tempfile.mkdtemp()) / "ds.json"
+        pinned.write_text(json.dumps(ds))
+        os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(pinned)
     accelerator = Accelerator(cpu=os.environ.get("WS_USE_CPU") == "1")
-    if AcceleratorState().deepspeed_plugin is not None:
-        AcceleratorState().deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
     backend = DistributedBackend(accelerator)
     rows = []
     for size in sizes:
@@ -59,8 +64,14 @@ def measure(out_path: str, sizes: list[str]) -> None:
         model, optimizer = accelerator.prepare(model, optimizer)
         module = accelerator.unwrap_model(model)
         specs = policy_specs(module)
-        nbytes = sum(torch.Size(shape).numel() * torch.empty(0, dtype=dt).element_size() for shape, dt in specs.values())
-        shared = SharedMemoryWeights(specs, torch.multiprocessing.get_context("spawn")) if accelerator.is_main_process else None
+        nbytes = sum(
+            torch.Size(shape).numel() * torch.empty(0, dtype=dt).element_size() for shape, dt in specs.values()
+        )
+        shared = (
+            SharedMemoryWeights(specs, torch.multiprocessing.get_context("spawn"))
+            if accelerator.is_main_process
+            else None
+        )
         for bucket_mb in BUCKETS_MB:
             times = []
             for i in range(REPEATS):
@@ -142,7 +153,16 @@ def main() -> None:
             rows.append([name, r["size"], round(mb, 1), r["bucket_mb"], r["sync_s"] * 1e3, mb / r["sync_s"],
                          mb / r["broadcast_s"], r["broadcast_s"] / r["sync_s"]])  # fmt: skip
     table = report.markdown_table(
-        ["backend", "params", "MB", "bucket MB", "sync ms", "sync MB/s", "raw broadcast MB/s", "sync / broadcast speed"],
+        [
+            "backend",
+            "params",
+            "MB",
+            "bucket MB",
+            "sync ms",
+            "sync MB/s",
+            "raw broadcast MB/s",
+            "sync / broadcast speed",
+        ],
         rows,
     )
     report.write_json("weight_sync", {"results": results, "demo": demo, "buckets_mb": BUCKETS_MB})

@@ -40,3 +40,16 @@ def test_two_process_training_syncs_exact_weights(tmp_path, tiny_model_dir, conf
     assert result["compared"] == result["expected"] - len(result["not_compared"]) >= 20
     assert result["verified_adoptions"] >= 2 and result["max_staleness_seen"] <= 1
     assert result["workers_alive"] == [False]
+
+
+def test_a_rank_that_stops_arriving_is_named_not_waited_for_forever(tmp_path, tiny_model_dir):
+    out = tmp_path / "result.json"
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/accelerate/ddp.yaml"),
+        str(ROOT / "tests/distributed/train_and_check.py"), "--model", tiny_model_dir, "--out", str(out), "--use_cpu",
+        "--stall_rank1", "300",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ})
+    assert proc.returncode != 0  # failed well before rank 1 woke up (300 s) and before the 300 s test timeout
+    error = json.loads(out.read_text())["error"]
+    assert "not every rank reached the next rollout batch" in error and "Ranks 1 failed" in error

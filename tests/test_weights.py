@@ -41,3 +41,30 @@ def test_publish_refuses_an_incomplete_set():
     else:
         raise AssertionError("an incomplete publish must fail")
     assert shared.version == -1  # and the version did not advance
+
+
+def test_a_pull_overtaken_by_two_publishes_retries_and_never_mixes_versions():
+    ctx = torch.multiprocessing.get_context("spawn")
+    specs = {"a": ((3,), torch.float32), "b": ((3,), torch.float32)}
+    shared = SharedMemoryWeights(specs, ctx)
+
+    def publish(value, version):
+        shared.publish([[("a", torch.full((3,), value)), ("b", torch.full((3,), value))]], version)
+
+    publish(1.0, 1)
+    target = {"a": torch.zeros(3), "b": torch.zeros(3)}
+
+    class Interrupting(dict):  # the trainer publishes twice while the worker is half-way through its copy
+        fired = False
+
+        def __getitem__(self, name):
+            if name == "b" and not self.fired:
+                self.fired = True
+                publish(2.0, 2)
+                publish(3.0, 3)  # lands in the buffer being read
+            return super().__getitem__(name)
+
+    params = Interrupting(target)
+    assert shared.pull_into(params, have_version=0) == 3  # retried after detecting the overwrite
+    assert torch.equal(target["a"], torch.full((3,), 3.0)) and torch.equal(target["b"], torch.full((3,), 3.0))
+    # the trainer never waited: both publishes completed while the pull was in progress

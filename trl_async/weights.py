@@ -37,45 +37,74 @@ def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 
 class SharedMemoryWeights:
-    """Named tensors in shared memory with a version; created in the trainer, passed to spawned workers."""
+    """Two sets of named tensors in shared memory (double buffering) with a version each, created in the trainer and
+    passed to spawned workers.
+
+    The trainer never waits for a worker: ``publish`` writes into the buffer that is not the newest one and then
+    makes it the newest. Each buffer has a sequence counter (a seqlock): odd while it is being written, bumped again
+    when done. A worker copies the newest buffer and re-reads its counter; if a publish touched the buffer meanwhile
+    (two publishes during one copy), the copy is discarded and repeated, so a worker never adopts a mixed set.
+    Memory: twice the policy size.
+    """
 
     def __init__(self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], mp_context) -> None:
-        self.tensors = {
-            name: torch.zeros(shape, dtype=dtype).share_memory_() for name, (shape, dtype) in specs.items()
-        }
-        self._version = mp_context.Value("q", -1, lock=False)
-        self._lock = mp_context.Lock()
+        self.buffers = [
+            {name: torch.zeros(shape, dtype=dtype).share_memory_() for name, (shape, dtype) in specs.items()}
+            for _ in range(2)
+        ]
+        self._seq = mp_context.Array("q", 2, lock=False)  # per buffer: odd while being written
+        self._versions = mp_context.Array("q", [-1, -1], lock=False)
+        self._newest = mp_context.Value("q", 0, lock=False)
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The newest complete set (for inspection; workers use ``pull_into``)."""
+        return self.buffers[self._newest.value]
 
     @property
     def version(self) -> int:
-        return int(self._version.value)
+        return int(self._versions[self._newest.value])
 
     def publish(
         self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]], version: int, digest: Digest | None = None
     ) -> None:
-        """Copy every bucket's ``(name, tensor)`` pairs in (each name exactly once, in ``self.tensors`` order when a
-        ``digest`` is fed), then set ``version``. Each bucket is copied before the next one is requested."""
-        with self._lock, torch.no_grad():
-            seen = []
-            for bucket in buckets:
-                for name, tensor in bucket:
-                    self.tensors[name].copy_(tensor.detach())
-                    if digest is not None:
-                        digest.update(name, self.tensors[name])
-                    seen.append(name)
-            if seen != list(self.tensors):
-                missing = sorted(self.tensors.keys() - set(seen))[:5]
+        """Copy every bucket's ``(name, tensor)`` pairs into the spare buffer (each name exactly once, in spec order
+        when a ``digest`` is fed), then make it the newest with ``version``. Each bucket is copied before the next
+        one is requested. On error the newest buffer is untouched."""
+        spare = 1 - self._newest.value
+        target = self.buffers[spare]
+        self._seq[spare] += 1  # odd: being written
+        try:
+            with torch.no_grad():
+                seen = []
+                for bucket in buckets:
+                    for name, tensor in bucket:
+                        target[name].copy_(tensor.detach())
+                        if digest is not None:
+                            digest.update(name, target[name])
+                        seen.append(name)
+            if seen != list(target):
+                missing = sorted(target.keys() - set(seen))[:5]
                 raise RuntimeError(f"weight publish sent {len(seen)} tensors, missing {missing}; refusing a mixed set")
-            self._version.value = version
+            self._versions[spare] = version
+        finally:
+            self._seq[spare] += 1  # even again
+        self._newest.value = spare
 
     def pull_into(self, params: Mapping[str, torch.Tensor], have_version: int) -> int | None:
-        """Copy the published tensors into ``params`` if a version newer than ``have_version`` is there.
+        """Copy the newest set into ``params`` if its version is newer than ``have_version``.
 
         Returns the version now held, or ``None`` when nothing newer was published.
         """
-        if self._version.value <= have_version:
-            return None
-        with self._lock, torch.no_grad():
-            for name, tensor in self.tensors.items():
-                params[name].copy_(tensor)
-            return int(self._version.value)
+        while True:
+            index = self._newest.value
+            version, seq = int(self._versions[index]), self._seq[index]
+            if version <= have_version:
+                return None
+            if seq % 2:  # overwritten right now (two publishes since we looked): look again
+                continue
+            with torch.no_grad():
+                for name, tensor in self.buffers[index].items():
+                    params[name].copy_(tensor)
+            if self._seq[index] == seq:
+                return version
