@@ -106,6 +106,7 @@ def measure(out_path: str, sizes: list[str]) -> None:
 def demo_step_fraction() -> dict:
     """Mean weight-sync time over mean step time in a short CPU demo run (single process, 1 worker)."""
     import cpu_demo
+
     from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
     from trl_async.tiny import save_tiny_model
 

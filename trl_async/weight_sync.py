@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-from accelerate.utils import is_peft_model
 
 
 @dataclass(frozen=True)
@@ -84,9 +83,14 @@ def _peft_units(model) -> list[_Unit]:
     return units
 
 
+def _is_peft(model: torch.nn.Module) -> bool:
+    # not accelerate's is_peft_model: it reads package metadata on every call (~7 ms), and this runs every sync
+    return hasattr(model, "get_base_model") and getattr(model, "peft_config", None) is not None
+
+
 def policy_units(model: torch.nn.Module) -> list[_Unit]:
     """What the workers receive, in a fixed order: parameters then buffers, under the base model's names."""
-    if is_peft_model(model):
+    if _is_peft(model):
         return _peft_units(model)
     return [_unit(n, p) for n, p in model.named_parameters()] + [_unit(n, b) for n, b in model.named_buffers()]
 
