@@ -77,7 +77,7 @@ def measure(out_path: str, sizes: list[str]) -> None:
             for i in range(REPEATS):
                 dist.barrier()
                 start = time.perf_counter()
-                buckets = iter_policy_buckets(module, backend.gather_params, bucket_mb * 2**20)
+                buckets = iter_policy_buckets(module, backend.gather_params, bucket_mb * 2**20, backend.is_zero3)
                 if shared is not None:
                     shared.publish(buckets, version=i)
                 else:

@@ -7,6 +7,7 @@ greedy reward over the prompts before and after training, and a summary of the r
 
 Launch (the README's main job):
     python recipes/cpu_demo.py
+    accelerate launch --config_file recipes/accelerate/zero3.yaml recipes/cpu_demo.py --use_cpu false --ddp_backend gloo
     python recipes/cpu_demo.py --max_steps 200 --max_staleness 2 --rollout_weight_update decode_step
 Any AsyncGRPOConfig field can be given on the command line (parsed with TRL's ``TrlParser``).
 """
@@ -17,10 +18,10 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
+from accelerate import PartialState  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import TrlParser  # noqa: E402
@@ -54,22 +55,30 @@ def greedy_reward(model_dir: str, prompts: list[str], max_new_tokens: int) -> fl
 
 def main(args: AsyncGRPOConfig) -> dict:
     torch.set_num_threads(1)
-    work = tempfile.mkdtemp(prefix="trl_async_demo_")
-    model_dir = str(save_tiny_model(os.path.join(work, "tiny-char-qwen2"), hidden_size=64, num_layers=2, chars=VOCAB))
+    state = PartialState()
+    work = os.path.abspath(args.output_dir)  # the same path on every rank under `accelerate launch`
+    model_dir = os.path.join(work, "tiny-char-qwen2")
+    with state.main_process_first():  # rank 0 builds the model; the others then load it
+        if state.is_main_process:
+            save_tiny_model(model_dir, hidden_size=64, num_layers=2, chars=VOCAB)
     dataset = make_dataset()
-    before = greedy_reward(model_dir, list(dataset["prompt"]), args.max_completion_length)
+    prompts = list(dataset["prompt"])
+    before = greedy_reward(model_dir, prompts, args.max_completion_length) if state.is_main_process else None
     trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=spelling_reward, args=args, train_dataset=dataset)
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
-    trainer.save_model(os.path.join(work, "final"))
-    after = greedy_reward(os.path.join(work, "final"), list(dataset["prompt"]), args.max_completion_length)
+    trainer.save_model(os.path.join(work, "final"))  # collective under DeepSpeed
+    if not state.is_main_process:
+        return {}
+    after = greedy_reward(os.path.join(work, "final"), prompts, args.max_completion_length)
     logs = [h for h in trainer.state.log_history if "async/staleness_max" in h]
     summary = {
         "greedy_reward_before": round(before, 3),
         "greedy_reward_after": round(after, 3),
         "train_seconds": round(seconds, 1),
         "steps": trainer.state.global_step,
+        "processes": state.num_processes,
         "max_observed_staleness": max(h["async/staleness_max"] for h in logs),
         "dropped_stale_samples": logs[-1]["async/dropped_stale"],
     }

@@ -240,10 +240,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def _publish_weights(self, version: int) -> None:
         """All ranks, main thread, same order: stream the full policy bucket by bucket; the main process copies
         each bucket into the workers' shared memory before the next bucket is gathered."""
+        model = self.accelerator.unwrap_model(self.model)
         buckets = iter_policy_buckets(
-            self.accelerator.unwrap_model(self.model),
+            model,
             self._dist.gather_params,
             int(self.async_args.weight_sync_bucket_mb * 2**20),
+            flat_zero3=self._dist.is_zero3,
         )
         if self._pool is not None:
             seconds = self._pool.publish(buckets, version)

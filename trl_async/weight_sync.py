@@ -28,6 +28,7 @@ class _Unit:
     nbytes: int
     shape: tuple[int, ...]
     dtype: torch.dtype
+    plain: bool  # the tensor is one parameter/buffer as is (no merge)
 
 
 def _full_shape(t: torch.Tensor) -> tuple[int, ...]:
@@ -38,7 +39,7 @@ def _unit(name: str, tensor: torch.Tensor, params=None, compute=None) -> _Unit:
     shape = _full_shape(tensor)
     nbytes = int(torch.Size(shape).numel()) * tensor.element_size()
     gathered = tuple(params) if params is not None else ((tensor,) if isinstance(tensor, torch.nn.Parameter) else ())
-    return _Unit(name, gathered, compute or (lambda: tensor.data), nbytes, shape, tensor.dtype)
+    return _Unit(name, gathered, compute or (lambda: tensor.data), nbytes, shape, tensor.dtype, compute is None)
 
 
 def _clean_peft_name(name: str) -> str:
@@ -83,14 +84,14 @@ def _peft_units(model) -> list[_Unit]:
     return units
 
 
-def _is_peft(model: torch.nn.Module) -> bool:
+def is_peft(model: torch.nn.Module) -> bool:
     # not accelerate's is_peft_model: it reads package metadata on every call (~7 ms), and this runs every sync
     return hasattr(model, "get_base_model") and getattr(model, "peft_config", None) is not None
 
 
 def policy_units(model: torch.nn.Module) -> list[_Unit]:
     """What the workers receive, in a fixed order: parameters then buffers, under the base model's names."""
-    if _is_peft(model):
+    if is_peft(model):
         return _peft_units(model)
     return [_unit(n, p) for n, p in model.named_parameters()] + [_unit(n, b) for n, b in model.named_buffers()]
 
@@ -100,21 +101,60 @@ def policy_specs(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], tor
     return {u.name: (u.shape, u.dtype) for u in policy_units(model)}
 
 
+def _zero3_full_tensors(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Full tensors of ZeRO-3 partitioned ``params`` with ONE all-gather of their concatenated local shards.
+
+    ZeRO-3 stores parameter p flattened and padded to world_size * partition_size; rank r holds elements
+    [r * partition_size, (r + 1) * partition_size) in ``p.ds_tensor``. Concatenating every rank's shards of a bucket
+    and all-gathering them once replaces DeepSpeed's per-parameter gathers (much cheaper for many small tensors).
+    Every rank must call this with the same params in the same order.
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    local = torch.cat([p.ds_tensor.detach().reshape(-1) for p in params])
+    gathered = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
+    dist.all_gather_into_tensor(gathered, local)
+    per_rank = gathered.view(world, -1)
+    fulls, offset = [], 0
+    for p in params:
+        size = p.ds_tensor.numel()
+        fulls.append(per_rank[:, offset : offset + size].reshape(-1)[: p.ds_numel].view(p.ds_shape))
+        offset += size
+    return fulls
+
+
+def _flat_gatherable(bucket: list[_Unit]) -> bool:
+    params = [u.params[0] for u in bucket if u.params]
+    return (
+        all(u.plain for u in bucket)
+        and bool(params)
+        and all(getattr(p, "ds_tensor", None) is not None for p in params)
+        and len({p.dtype for p in params}) == 1
+    )
+
+
 def iter_policy_buckets(
-    model: torch.nn.Module, gather_params, bucket_bytes: int
+    model: torch.nn.Module, gather_params, bucket_bytes: int, flat_zero3: bool = False
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield ``[(name, full tensor), ...]`` buckets of at most ``bucket_bytes`` (one oversized tensor goes alone).
 
-    ``gather_params`` is ``DistributedBackend.gather_params`` (a no-op context without ZeRO-3). Every rank must
-    exhaust this generator in the same order; tensors are valid only until the next ``next()``.
+    ``gather_params`` is ``DistributedBackend.gather_params`` (a no-op context without ZeRO-3). With ``flat_zero3``
+    (ZeRO-3 only), buckets of plain parameters are gathered with one all-gather of their shards instead. Every rank
+    must exhaust this generator in the same order; tensors are valid only until the next ``next()``.
     """
     bucket: list[_Unit] = []
     size = 0
     for unit in [*policy_units(model), None]:
         if bucket and (unit is None or size + unit.nbytes > bucket_bytes):
-            params = [p for u in bucket for p in u.params]
-            with torch.no_grad(), gather_params(params):
-                yield [(u.name, u.compute()) for u in bucket]
+            if flat_zero3 and _flat_gatherable(bucket):
+                with torch.no_grad():
+                    gathered = iter(_zero3_full_tensors([u.params[0] for u in bucket if u.params]))
+                    yield [(u.name, next(gathered) if u.params else u.compute()) for u in bucket]
+            else:
+                params = [p for u in bucket for p in u.params]
+                with torch.no_grad(), gather_params(params):
+                    yield [(u.name, u.compute()) for u in bucket]
             bucket, size = [], 0
         if unit is not None:
             bucket.append(unit)
