@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "recipes"))
 
 SIZES = {"1M": (128, 4, 512), "10M": (384, 4, 1536), "100M": (1024, 6, 4096)}  # hidden, layers, intermediate
-BUCKETS_MB = [4, 32, 256]
+BUCKETS_MB = [2, 8, 64]
 REPEATS = 3
 
 
@@ -69,7 +69,7 @@ def measure(out_path: str, sizes: list[str]) -> None:
         )
         shared = (
             SharedMemoryWeights(specs, torch.multiprocessing.get_context("spawn"))
-            if accelerator.is_main_process
+            if dist.get_rank() == 0  # the rank weight_sync streams full tensors to
             else None
         )
         for bucket_mb in BUCKETS_MB:

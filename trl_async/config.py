@@ -111,7 +111,7 @@ class AsyncFields:
         },
     )
     weight_sync_bucket_mb: float = field(
-        default=256.0,
+        default=8.0,
         metadata={
             "help": "Weight sync moves the policy in buckets of at most this many MB (under ZeRO-3, one "
             "all-gather per bucket), which bounds the extra memory a sync needs."

@@ -216,6 +216,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         takes part in the publish: under ZeRO-3 it is a series of all-gathers."""
         if self._pool_started:
             return
+        if self.accelerator.num_processes > 1 and self.accelerator.is_main_process != (dist.get_rank() == 0):
+            raise RuntimeError("the main process must be torch.distributed rank 0: weight sync streams to rank 0")
         if self.accelerator.is_main_process:
             self._pool = self._start_pool()
         self._pool_started = True
