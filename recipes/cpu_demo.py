@@ -23,8 +23,8 @@ import time  # noqa: E402
 import torch  # noqa: E402
 from accelerate import PartialState  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import TrlParser  # noqa: E402
+from trl.models import unwrap_model_for_generation  # noqa: E402
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
 from trl_async.tiny import save_tiny_model  # noqa: E402
@@ -44,11 +44,19 @@ def make_dataset(n: int = 16) -> Dataset:
 
 
 @torch.no_grad()
-def greedy_reward(model_dir: str, prompts: list[str], max_new_tokens: int) -> float:
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    batch = tokenizer(prompts, return_tensors="pt", padding=True)
-    out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+def greedy_reward(trainer: AsyncGRPOTrainer, prompts: list[str]) -> float:
+    """Mean reward of greedy completions from the trainer's current weights. Collective under ZeRO-3 (TRL gathers
+    the shards for generation), so every rank calls it."""
+    tokenizer = trainer.processing_class
+    batch = tokenizer(prompts, return_tensors="pt", padding=True).to(trainer.accelerator.device)
+    with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as model:
+        was_training = model.training
+        model.eval()
+        out = model.generate(
+            **batch, max_new_tokens=trainer.max_completion_length, do_sample=False,
+            pad_token_id=tokenizer.pad_token_id, synced_gpus=trainer._dist.is_zero3,
+        )  # fmt: skip
+        model.train(was_training)
     completions = tokenizer.batch_decode(out[:, batch["input_ids"].size(1) :], skip_special_tokens=True)
     return sum(spelling_reward(prompts, completions)) / len(prompts)
 
@@ -63,15 +71,14 @@ def main(args: AsyncGRPOConfig) -> dict:
             save_tiny_model(model_dir, hidden_size=64, num_layers=2, chars=VOCAB)
     dataset = make_dataset()
     prompts = list(dataset["prompt"])
-    before = greedy_reward(model_dir, prompts, args.max_completion_length) if state.is_main_process else None
     trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=spelling_reward, args=args, train_dataset=dataset)
+    before = greedy_reward(trainer, prompts)
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
-    trainer.save_model(os.path.join(work, "final"))  # collective under DeepSpeed
+    after = greedy_reward(trainer, prompts)
     if not state.is_main_process:
         return {}
-    after = greedy_reward(os.path.join(work, "final"), prompts, args.max_completion_length)
     logs = [h for h in trainer.state.log_history if "async/staleness_max" in h]
     summary = {
         "greedy_reward_before": round(before, 3),
