@@ -114,7 +114,7 @@ class AsyncFields:
         default=8.0,
         metadata={
             "help": "Weight sync moves the policy in buckets of at most this many MB (under ZeRO-3, one "
-            "all-gather per bucket), which bounds the extra memory a sync needs."
+            "gather per bucket), which bounds the extra memory a sync needs."
         },
     )
     rollout_verify_weights: bool = field(

@@ -213,7 +213,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     def _ensure_pool(self) -> None:
         """Start the workers (main process only) and publish the current weights as the first version. Every rank
-        takes part in the publish: under ZeRO-3 it is a series of all-gathers."""
+        takes part in the publish: under ZeRO-3 it moves every rank's shards to rank 0."""
         if self._pool_started:
             return
         if self.accelerator.num_processes > 1 and self.accelerator.is_main_process != (dist.get_rank() == 0):

@@ -3,8 +3,8 @@
 The trainer's model may be plain, DDP, DeepSpeed ZeRO-2 (full parameters on every rank) or ZeRO-3 (each rank holds a
 shard), and may carry LoRA adapters. Workers need plain full tensors under the base model's names, with adapters
 merged. ``iter_policy_buckets`` yields them in buckets of bounded size: under ZeRO-3 every rank must iterate it in
-lock-step on its main thread (each bucket is one ``GatheredParameters`` all-gather, through TRL's
-``DistributedBackend``), and the tensors of a bucket are only valid until the generator is resumed, because the
+lock-step on its main thread (a bucket of plain parameters travels as shards straight to rank 0; a bucket that needs
+a merge is one ``GatheredParameters`` gather, through TRL's ``DistributedBackend``), and the tensors of a bucket are only valid until the generator is resumed, because the
 gather context closes then: the consumer copies them out before asking for the next bucket. LoRA is merged one layer
 at a time (W + peft's own ``get_delta_weight``) without touching the training weights, so nothing needs unmerging and
 the whole model is never materialised at once.
