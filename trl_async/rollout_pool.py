@@ -18,7 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from queue import Empty
 
 import torch
@@ -167,7 +167,7 @@ class RolloutPool:
                         self._prompts.push_front(scored.group.prompt_index)
                         self._cv.notify_all()
                         continue
-                    taken.append(_with_staleness(scored, s))
+                    taken.append(replace(scored, staleness=s))
                 if len(taken) == n:
                     break
                 if time.perf_counter() > deadline:
@@ -215,10 +215,6 @@ class RolloutPool:
         for q in (self._task_queue, self._result_queue):
             q.cancel_join_thread()
             q.close()
-
-    @property
-    def worker_pids(self) -> list[int]:
-        return [p.pid for p in self._processes]
 
     @property
     def processes(self) -> list:
@@ -316,7 +312,3 @@ class RolloutPool:
                 if self._error is not None:
                     raise self._error
                 raise RolloutWorkerError(f"rollout worker {i} (pid {proc.pid}) exited with code {proc.exitcode}")
-
-
-def _with_staleness(scored: ScoredGroup, s: int) -> ScoredGroup:
-    return ScoredGroup(scored.group, s, scored.rewards, scored.extra_logs, scored.metrics)
