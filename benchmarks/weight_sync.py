@@ -77,7 +77,8 @@ def measure(out_path: str, sizes: list[str]) -> None:
             for i in range(REPEATS):
                 dist.barrier()
                 start = time.perf_counter()
-                buckets = iter_policy_buckets(module, backend.gather_params, bucket_mb * 2**20, backend.is_zero3)
+                out = shared.spare_tensors if shared is not None else None
+                buckets = iter_policy_buckets(module, backend.gather_params, bucket_mb * 2**20, backend.is_zero3, out)
                 if shared is not None:
                     shared.publish(buckets, version=i)
                 else:
@@ -188,7 +189,7 @@ def main() -> None:
     report.update_readme(
         "weight_sync",
         f"### Weight sync (`{command}`)\n\n2 processes on this CPU machine (gloo). 'sync' = all ranks stream the "
-        "policy bucket by bucket (ZeRO-3: one all-gather per bucket) and rank 0 copies it into the workers' shared "
+        "policy bucket by bucket (ZeRO-3: each rank sends rank 0 its shards of a bucket, which land directly in shared memory) and rank 0 copies it into the workers' shared "
         "memory; 'raw broadcast' = `torch.distributed.broadcast` of the same bytes from rank 0 to rank 1; last column "
         f"> 1 means the sync is faster than the raw broadcast. Median of {REPEATS}.\n\n{table}\n\n"
         f"At the CPU demo's settings a weight sync takes {demo['weight_sync_s'] * 1e3:.2f} ms, "

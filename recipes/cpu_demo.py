@@ -27,6 +27,7 @@ from trl import TrlParser  # noqa: E402
 from trl.models import unwrap_model_for_generation  # noqa: E402
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
+from trl_async.progress import print_summary, run_summary, samples_per_step  # noqa: E402
 from trl_async.tiny import save_tiny_model  # noqa: E402
 
 TARGET = "bead"
@@ -79,19 +80,13 @@ def main(args: AsyncGRPOConfig) -> dict:
     after = greedy_reward(trainer, prompts)
     if not state.is_main_process:
         return {}
-    logs = [h for h in trainer.state.log_history if "async/staleness_max" in h]
     summary = {
         "greedy_reward_before": round(before, 3),
         "greedy_reward_after": round(after, 3),
-        "train_seconds": round(seconds, 1),
-        "steps": trainer.state.global_step,
         "processes": state.num_processes,
-        "max_observed_staleness": max(h["async/staleness_max"] for h in logs),
-        "dropped_stale_samples": logs[-1]["async/dropped_stale"],
+        **run_summary(trainer.state.log_history, seconds, samples_per_step(args, state.num_processes)),
     }
-    print("\n=== trl_async CPU demo ===")
-    for key, value in summary.items():
-        print(f"{key:>26}: {value}")
+    print_summary("trl_async CPU demo", summary)
     return summary
 
 

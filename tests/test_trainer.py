@@ -8,6 +8,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
+from trl_async.progress import AsyncProgressCallback
 from trl_async.weights import weights_digest
 
 COMMON = dict(
@@ -62,6 +63,12 @@ def test_trains_updates_every_parameter_within_the_staleness_bound_and_joins_wor
     assert pool.verified_adoptions >= 2
     assert max(pool.worker_versions.values()) >= 1
     assert not any(p.is_alive() for p in pool.processes) and no_rollout_children()
+    # the progress bar showed the last consumed batch (logging_steps=1: one log per batch)
+    (bar,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, AsyncProgressCallback)]
+    last = [h for h in trainer.state.log_history if "reward" in h][-1]
+    assert bar.last_postfix == pytest.approx(
+        {"reward": last["reward"], "staleness": last["async/staleness_mean"], "queue": last["async/queue_size"]}
+    )
 
 
 def test_rewards_and_advantages_stay_aligned_with_their_prompts(tmp_path, tiny_model_dir):

@@ -40,6 +40,7 @@ class RolloutGroup:
     versions: tuple[tuple[int, ...], ...]
     worker_id: int
     generate_s: float  # wall time of the generate call that produced this group (shared by its batch)
+    generate_started_at: float = 0.0  # time.time() when that call started (comparable across processes)
 
     @property
     def num_tokens(self) -> int:

@@ -113,6 +113,10 @@ class RolloutPool:
         self.worker_versions: dict[int, int] = {}
         self._tokens_since_take = 0
         self._last_take_end = time.perf_counter()
+        # (kind, worker id or -1 for the trainer, start, end) in time.time(): "generate" calls and trainer "wait"s in
+        # take(); bounded, for timelines and utilisation (benchmarks/throughput.py)
+        self.activity: deque[tuple[str, int, float, float]] = deque(maxlen=100_000)
+        self._last_call: dict[int, float] = {}
 
         self._processes = []
         with _no_main_reimport():
@@ -133,6 +137,11 @@ class RolloutPool:
             t.start()
 
     # ---- main thread -------------------------------------------------------------------------------------------
+    @property
+    def publish_target(self) -> dict[str, torch.Tensor]:
+        """Where the next ``publish`` writes (see ``SharedMemoryWeights.spare_tensors``)."""
+        return self._weights.spare_tensors
+
     def publish(self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]], version: int) -> float:
         """Make the streamed tensors the weights of ``version`` (see ``SharedMemoryWeights.publish``); workers adopt
         them at their next safe point. Returns the seconds it took."""
@@ -150,7 +159,7 @@ class RolloutPool:
 
     def take(self, n: int, consumer_version: int) -> tuple[list[ScoredGroup], TakeStats]:
         """Block until ``n`` fresh scored groups are ready and return them (oldest first)."""
-        start = time.perf_counter()
+        start, started_at = time.perf_counter(), time.time()
         deadline = start + self.settings.timeout_s
         taken: list[ScoredGroup] = []
         with self._cv:
@@ -184,6 +193,7 @@ class RolloutPool:
             tokens, self._tokens_since_take = self._tokens_since_take, 0
             rate = tokens / max(now - self._last_take_end, 1e-9)
             self._last_take_end = now
+        self.activity.append(("wait", -1, started_at, started_at + (now - start)))
         stats = TakeStats(
             staleness=[g.staleness for g in taken for _ in g.group.completion_ids],
             queue_size=queue_size,
@@ -278,6 +288,10 @@ class RolloutPool:
                     return
                 continue
             if isinstance(msg, RolloutGroup):
+                if self._last_call.get(msg.worker_id) != msg.generate_started_at:  # one entry per call, not group
+                    self._last_call[msg.worker_id] = msg.generate_started_at
+                    end = msg.generate_started_at + msg.generate_s
+                    self.activity.append(("generate", msg.worker_id, msg.generate_started_at, end))
                 scored = self._score_group(msg)
                 with self._cv:
                     self._ready.append(scored)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from accelerate.utils import broadcast_object_list, gather, is_peft_model
 from datasets import IterableDataset
 from transformers import TrainerCallback
+from transformers.trainer_callback import ProgressCallback
 from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.data_utils import is_conversational
@@ -27,6 +28,7 @@ from trl.models.utils import disable_gradient_checkpointing
 
 from .config import async_fields_of
 from .correction import off_policy_correction
+from .progress import AsyncProgressCallback
 from .prompts import PromptStream
 from .records import RolloutGroup
 from .rollout_pool import PoolSettings, RolloutPool, ScoredGroup
@@ -126,6 +128,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self.last_rollout_pool: RolloutPool | None = None
         self._consuming: list[tuple[ScoredGroup, int]] | None = None  # (group, completion index) per local row
         self.add_callback(_PublishWeights(self))
+        self._live: dict[str, float] = {}  # shown in the progress bar: the last consumed batch
+        if any(isinstance(c, ProgressCallback) for c in self.callback_handler.callbacks):
+            self.remove_callback(ProgressCallback)
+            self.add_callback(AsyncProgressCallback(lambda: self._live))
 
     def _check_async_supported(self) -> None:
         if self._is_vlm:
@@ -248,6 +254,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self._dist.gather_params,
             int(self.async_args.weight_sync_bucket_mb * 2**20),
             flat_zero3=self._dist.is_zero3,
+            out=self._pool.publish_target if self._pool is not None else None,  # ZeRO-3 shards land there directly
         )
         if self._pool is not None:
             seconds = self._pool.publish(buckets, version)
@@ -339,6 +346,11 @@ class AsyncGRPOTrainer(GRPOTrainer):
         metrics["async/trainer_wait_s"].append(stats.wait_s)
         metrics["async/dropped_stale"].append(stats.dropped_samples_total)
         metrics["async/gen_tokens_per_s"].append(stats.gen_tokens_per_s)
+        self._live = {
+            "reward": metrics["reward"][-1] if metrics.get("reward") else float("nan"),
+            "staleness": sum(stats.staleness) / len(stats.staleness),
+            "queue": stats.queue_size,
+        }
         return output
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):

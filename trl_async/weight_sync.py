@@ -12,7 +12,7 @@ the whole model is never materialised at once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -101,7 +101,7 @@ def policy_specs(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], tor
     return {u.name: (u.shape, u.dtype) for u in policy_units(model)}
 
 
-def _zero3_full_tensors(params: list[torch.Tensor]) -> list[torch.Tensor] | None:
+def _zero3_full_tensors(params: list[torch.Tensor], dests: list[torch.Tensor | None]) -> list[torch.Tensor] | None:
     """Full tensors of ZeRO-3 partitioned ``params`` on rank 0 (``None`` on the other ranks), moving only shards.
 
     ZeRO-3 stores parameter p flattened and padded to world_size * partition_size; rank r holds elements
@@ -109,24 +109,42 @@ def _zero3_full_tensors(params: list[torch.Tensor]) -> list[torch.Tensor] | None
     full tensors, so every other rank sends rank 0 its concatenated shards of the bucket, point to point: one message
     per rank and bucket, (world - 1) / world of the bytes, instead of DeepSpeed's per-parameter all-gathers (gloo's
     all-gather and gather were 2.5-5x slower than a broadcast of the same bytes here; send/recv was faster than
-    it). Every rank must call this with the same params in the same order.
+    it). On rank 0 each shard is copied once, straight into its place in ``dests[i]`` (the workers' shared memory
+    when the caller passes it; a new tensor where ``None``). Every rank must call this with the same params in the
+    same order.
     """
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    local = torch.cat([p.ds_tensor.detach().reshape(-1) for p in params])
     if rank != 0:
-        dist.send(local, dst=0)
+        dist.send(torch.cat([p.ds_tensor.detach().reshape(-1) for p in params]), dst=0)
         return None
-    per_rank = torch.empty((world, local.numel()), dtype=local.dtype, device=local.device)
-    per_rank[0].copy_(local)
+    fulls = [
+        d if d is not None else torch.empty(p.ds_shape, dtype=p.dtype, device=p.ds_tensor.device)
+        for p, d in zip(params, dests, strict=True)
+    ]
+    flat_fulls = [f.view(-1) for f in fulls]
+    sizes = [p.ds_tensor.numel() for p in params]
+
+    def place(src: int, shards: Iterable[torch.Tensor]) -> None:
+        dst, srcs = [], []
+        for p, full, shard in zip(params, flat_fulls, shards, strict=True):
+            start = src * shard.numel()
+            n = max(0, min(shard.numel(), p.ds_numel - start))  # the last ranks' shards end in padding
+            if n:
+                dst.append(full[start : start + n])
+                srcs.append(shard[:n])
+        torch._foreach_copy_(dst, srcs)  # one call for the bucket: per-tensor copy_ overhead dominated small models
+
+    device = params[0].ds_tensor.device
+    pending = []
     for src in range(1, world):
-        dist.recv(per_rank[src], src=src)
-    fulls, offset = [], 0
-    for p in params:
-        size = p.ds_tensor.numel()
-        fulls.append(per_rank[:, offset : offset + size].reshape(-1)[: p.ds_numel].view(p.ds_shape))
-        offset += size
+        buffer = torch.empty(sum(sizes), dtype=params[0].dtype, device=device)
+        pending.append((src, buffer, dist.irecv(buffer, src=src)))
+    place(0, (p.ds_tensor.detach().reshape(-1) for p in params))  # own shards while the others arrive
+    for src, buffer, request in pending:
+        request.wait()
+        place(src, buffer.split(sizes))
     return fulls
 
 
@@ -141,14 +159,20 @@ def _flat_gatherable(bucket: list[_Unit]) -> bool:
 
 
 def iter_policy_buckets(
-    model: torch.nn.Module, gather_params, bucket_bytes: int, flat_zero3: bool = False
+    model: torch.nn.Module,
+    gather_params,
+    bucket_bytes: int,
+    flat_zero3: bool = False,
+    out: Mapping[str, torch.Tensor] | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield ``[(name, full tensor), ...]`` buckets of at most ``bucket_bytes`` (one oversized tensor goes alone).
 
     ``gather_params`` is ``DistributedBackend.gather_params`` (a no-op context without ZeRO-3). With ``flat_zero3``
     (ZeRO-3 only), buckets of plain parameters instead travel as shards straight to rank 0, and other ranks get
-    empty buckets. Only rank 0's buckets are meant to be consumed. Every rank must exhaust this generator in the same
-    order; tensors are valid only until the next ``next()``.
+    empty buckets, and rank 0 writes those tensors straight into ``out[name]`` when ``out`` is given (the yielded
+    tensor is then ``out[name]`` itself, which a consumer can skip copying). Only rank 0's buckets are meant to be
+    consumed. Every rank must exhaust this generator in the same order; tensors are valid only until the next
+    ``next()``.
     """
     bucket: list[_Unit] = []
     size = 0
@@ -156,7 +180,9 @@ def iter_policy_buckets(
         if bucket and (unit is None or size + unit.nbytes > bucket_bytes):
             if flat_zero3 and _flat_gatherable(bucket):
                 with torch.no_grad():
-                    fulls = _zero3_full_tensors([u.params[0] for u in bucket if u.params])
+                    shipped = [u for u in bucket if u.params]
+                    dests = [out.get(u.name) if out is not None else None for u in shipped]
+                    fulls = _zero3_full_tensors([u.params[0] for u in shipped], dests)
                     if fulls is None:  # not rank 0: nothing to hand out, the shards went to rank 0
                         yield []
                     else:

@@ -62,6 +62,13 @@ class SharedMemoryWeights:
         return self.buffers[self._newest.value]
 
     @property
+    def spare_tensors(self) -> dict[str, torch.Tensor]:
+        """The set the next ``publish`` writes into. A producer may fill these in place (only from the publishing
+        thread, only for that next publish) and yield them as they are: ``publish`` skips copying a tensor onto
+        itself."""
+        return self.buffers[1 - self._newest.value]
+
+    @property
     def version(self) -> int:
         return int(self._versions[self._newest.value])
 
@@ -79,7 +86,8 @@ class SharedMemoryWeights:
                 seen = []
                 for bucket in buckets:
                     for name, tensor in bucket:
-                        target[name].copy_(tensor.detach())
+                        if tensor.data_ptr() != target[name].data_ptr():  # not already written in place
+                            target[name].copy_(tensor.detach())
                         if digest is not None:
                             digest.update(name, target[name])
                         seen.append(name)

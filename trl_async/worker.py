@@ -91,7 +91,7 @@ def generate_groups(
     config.output_scores = True
     config.return_dict_in_generate = True
     hook = _DecodeStepHook(current_version, between_steps)
-    start = time.perf_counter()
+    started_at, start = time.time(), time.perf_counter()
     with torch.no_grad():
         out = model.generate(
             input_ids=input_ids.to(device),
@@ -129,6 +129,7 @@ def generate_groups(
                 versions=tuple(versions[span]),
                 worker_id=worker_id,
                 generate_s=elapsed,
+                generate_started_at=started_at,
             )
         )
     return groups
