@@ -29,7 +29,6 @@ def make_pool(max_staleness, groups_per_batch=2, queue_size=None, workers=1, sco
             G,
             (tok.eos_token_id,),
             tok.pad_token_id,
-            batch_groups=1,
             weight_update="batch",
             torch_threads=1,
             seed=i,

@@ -93,3 +93,25 @@ def test_in_flight_update_tags_each_token_with_the_version_that_produced_it():
     for versions in groups[0].versions:
         assert versions == (0, 0, 0) + (1,) * 7  # tokens 0-2 from version 0's logits, the rest from version 1
     assert groups[0].token_versions.count(0) == 6
+
+
+def test_policy_copy_decodes_with_the_kv_cache_even_when_training_turned_it_off():
+    from types import SimpleNamespace
+
+    from trl_async.worker import build_policy_copy
+
+    tok = build_char_tokenizer()
+    trained = build_tiny_model(tok)
+    trained.config.use_cache = False  # as the trainer's model config arrives (training runs without the cache)
+    spec = SimpleNamespace(model_class=type(trained), model_config=trained.config, device="cpu", dtype=torch.float32)
+    model = build_policy_copy(spec)
+    assert trained.config.use_cache is False  # the trainer's config is not modified
+    lengths = []
+    model.model.register_forward_pre_hook(
+        lambda m, args, kw: lengths.append(kw["input_ids"].shape[1]), with_kwargs=True
+    )
+    config = GenerationConfig(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
+    generate_groups(
+        model, [RolloutTask(0, 0, (5, 6, 7), 0)], config, 2, [tok.eos_token_id], tok.pad_token_id, lambda: 0
+    )
+    assert lengths == [3, 1, 1, 1, 1]  # prompt once, then one new token per step (no re-run of the whole sequence)

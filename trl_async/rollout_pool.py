@@ -52,6 +52,7 @@ class PoolSettings:
     timeout_s: float
     start_version: int  # trainer version when the pool starts (0, or the resumed global step)
     verify_weights: bool
+    groups_per_call: int = 1  # most groups handed to a worker at once (one generate call)
 
 
 @dataclass
@@ -268,16 +269,23 @@ class RolloutPool:
         return min(by_staleness, self._consumed + s.queue_size)
 
     def _dispatch_loop(self) -> None:
+        """Admit groups as admission control allows and hand them to the workers in chunks of up to
+        ``groups_per_call`` (one task message per generate call: a worker handed single groups as they were admitted
+        would start a generate call per group, several times slower per group on CPU)."""
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._stop or self._error or self._admitted < self._admission_limit())
                 if self._stop or self._error:
                     return
-                self._admitted += 1
-                group_id, version = self._next_group_id, self._published
-                self._next_group_id += 1
-            index = self._prompts.next_index()
-            self._task_queue.put(RolloutTask(group_id, index, self._tokenize_row(index), version))
+                n = min(self.settings.groups_per_call, self._admission_limit() - self._admitted)
+                self._admitted += n
+                group_ids, version = range(self._next_group_id, self._next_group_id + n), self._published
+                self._next_group_id += n
+            chunk = []
+            for group_id in group_ids:
+                index = self._prompts.next_index()
+                chunk.append(RolloutTask(group_id, index, self._tokenize_row(index), version))
+            self._task_queue.put(chunk)
 
     def _collect_loop(self) -> None:
         while True:

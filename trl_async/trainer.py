@@ -190,7 +190,6 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 num_generations=self.num_generations,
                 eos_token_ids=tuple(self.eos_token_ids),
                 pad_token_id=self._tokenizer.pad_token_id,
-                batch_groups=self._rollout_batch_groups,
                 weight_update=a.rollout_weight_update,
                 torch_threads=a.rollout_torch_threads,
                 seed=args.seed + 1 + i + 100_003 * start_version,
@@ -206,6 +205,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             timeout_s=a.rollout_timeout_s,
             start_version=start_version,
             verify_weights=a.rollout_verify_weights,
+            groups_per_call=self._rollout_batch_groups,
         )
         prompts = PromptStream(
             len(self.train_dataset),

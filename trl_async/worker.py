@@ -15,7 +15,6 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from queue import Empty
 from typing import Any
 
 import torch
@@ -37,7 +36,6 @@ class WorkerSpec:
     num_generations: int
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
-    batch_groups: int
     weight_update: str  # "batch" | "decode_step"
     torch_threads: int
     seed: int
@@ -136,7 +134,13 @@ def generate_groups(
 
 
 def build_policy_copy(spec: WorkerSpec) -> torch.nn.Module:
-    model = spec.model_class(spec.model_config)
+    config = copy.deepcopy(spec.model_config)
+    config.use_cache = True  # the trainer's config may have it off (training); generation needs the KV cache
+    model = spec.model_class(config)
+    # generate() fills unset fields from the model's generation_config, which a model built from a config derives
+    # from config.use_cache: without this, every decode step re-runs the whole sequence (9x slower measured at 32
+    # tokens, growing with length)
+    model.generation_config.use_cache = True
     return model.to(device=spec.device, dtype=spec.dtype).eval()
 
 
@@ -164,19 +168,9 @@ def worker_main(spec: WorkerSpec, weights: SharedMemoryWeights, task_queue, resu
         result_queue.put(WorkerReady(spec.worker_id, os.getpid()))
         in_flight = adopt if spec.weight_update == "decode_step" else None
         while True:
-            task = task_queue.get()
-            if task is None:
+            tasks = task_queue.get()  # a chunk of admitted groups (one generate call), or None to stop
+            if tasks is None:
                 return
-            tasks, stop = [task], False
-            while len(tasks) < spec.batch_groups:
-                try:
-                    nxt = task_queue.get_nowait()
-                except Empty:
-                    break
-                if nxt is None:
-                    stop = True
-                    break
-                tasks.append(nxt)
             adopt()
             for group in generate_groups(
                 model,
@@ -190,7 +184,5 @@ def worker_main(spec: WorkerSpec, weights: SharedMemoryWeights, task_queue, resu
                 worker_id=spec.worker_id,
             ):
                 result_queue.put(group)
-            if stop:
-                return
     except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
         result_queue.put(WorkerFailed(spec.worker_id, traceback.format_exc()))

@@ -1,0 +1,396 @@
+"""Throughput: TRL's synchronous GRPOTrainer vs AsyncGRPOTrainer, same model, task, batch, sampling and steps, in one
+run, interleaved, on this machine's cores, in the regimes users meet. See ../shared/BENCHMARKING.md.
+
+    python benchmarks/throughput.py --quick   # ~5 min: one repeat, fewer steps
+    python benchmarks/throughput.py           # two interleaved repeats, more steps
+
+Per run it measures, over the steps after a warm-up: wall time, samples/s, completion tokens/s, the trainer's busy
+share (training compute, not generating or waiting), the workers' busy share (async), and the weight-sync share.
+
+Bound (shared cores): no schedule beats the total single-core work / cores. The single-core work is the
+synchronous 1-thread run's wall time minus its reward latency (a sleeping verifier uses no core); efficiency =
+bound / measured time, reported for every run. Also reported: the ideal speed-up with separate devices per phase,
+(G + T) / max(G, T), from the same 1-thread run.
+
+Writes benchmarks/results/throughput.{json,png} (+ throughput_reward.png, throughput_timeline.png) and the tables in
+benchmarks/README.md. The pipeline simulator (simulate.py) is validated against the async runs here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "recipes"))
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
+from trl_async.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
+
+CORES = os.cpu_count() or 1
+BATCH, GROUP = 32, 8  # 4 prompts x 8 completions per optimizer step
+
+
+@dataclass(frozen=True)
+class Regime:
+    name: str
+    what: str
+    hidden: int
+    layers: int
+    completion: int
+    forced: bool = True  # every completion runs to max length (min_new_tokens)
+    eos_scale: float | None = None  # long tail: the EOS logit's direction scaled (see make_model)
+    reward_delay_s: float = 0.0  # per completion, a sleeping verifier
+    workers: int = 1
+
+
+REGIMES = [
+    Regime("balanced", "balanced phases, instant reward", hidden=256, layers=4, completion=32),
+    Regime("slow_reward", "verifier 20 ms per completion", hidden=256, layers=4, completion=32, reward_delay_s=0.02),
+    Regime(
+        "long_tail",
+        "long-tailed lengths (median 21, max 96)",
+        hidden=256,
+        layers=4,
+        completion=96,
+        forced=False,
+        eos_scale=-2.0,
+    ),  # fmt: skip
+    Regime("gen_bound", "generation-bound (G >> T), 2 workers", hidden=64, layers=2, completion=128, workers=2),
+]
+
+
+def make_model(regime: Regime, path: str) -> str:
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tokenizer, hidden_size=regime.hidden, num_layers=regime.layers, num_heads=4)
+    if regime.eos_scale is not None:  # tied embeddings: scaling the EOS row by -2 gives geometric-ish lengths
+        with torch.no_grad():
+            model.get_output_embeddings().weight[tokenizer.eos_token_id] *= regime.eos_scale
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def dataset() -> Dataset:
+    return Dataset.from_list([{"prompt": f"write {a}{b}:"} for a in "abcdefgh" for b in "abcd"])
+
+
+def make_reward(delay_s: float):
+    def vowel_reward(prompts, completions, **kwargs):
+        if delay_s:
+            time.sleep(delay_s * len(completions))  # a verifier running tests: latency, no CPU
+        return [sum(ch in "aeiou" for ch in c) / max(len(c), 1) for c in completions]
+
+    return vowel_reward
+
+
+class _Clock(TrainerCallback):
+    def __init__(self) -> None:
+        self.step_begin: list[float] = []
+        self.step_end: list[float] = []
+        self.rewards: list[tuple[float, float]] = []  # (time, reward)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.step_begin.append(time.time())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step_end.append(time.time())
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "reward" in logs:
+            self.rewards.append((time.time(), logs["reward"]))
+
+
+class TimedGRPOTrainer(GRPOTrainer):
+    """TRL's GRPOTrainer, unchanged, with the wall-clock intervals of its generation and reward phases recorded."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.phases: list[tuple[str, float, float]] = []
+
+    def _generate_single_turn(self, *args, **kwargs):
+        start = time.time()
+        try:
+            return super()._generate_single_turn(*args, **kwargs)
+        finally:
+            self.phases.append(("generate", start, time.time()))
+
+    def _calculate_rewards(self, *args, **kwargs):
+        start = time.time()
+        try:
+            return super()._calculate_rewards(*args, **kwargs)
+        finally:
+            self.phases.append(("reward", start, time.time()))
+
+
+def _overlap(intervals, lo: float, hi: float) -> float:
+    return sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in intervals)
+
+
+def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, seed: int = 0,
+            threads: int = 1, staleness: int = 0, task=None) -> dict:  # fmt: skip
+    """One training run; ``kind`` is "sync" (TRL GRPOTrainer with ``threads`` torch threads) or "async"."""
+    torch.set_num_threads(threads)
+    common = dict(
+        output_dir=tempfile.mkdtemp(prefix="tp_"), max_steps=warmup + steps, per_device_train_batch_size=BATCH,
+        num_generations=GROUP, max_completion_length=regime.completion, temperature=1.0, learning_rate=1e-5,
+        beta=0.0, logging_steps=1, report_to=[], bf16=False, use_cpu=True, save_strategy="no", seed=seed,
+        disable_tqdm=True, gradient_checkpointing=False,
+        generation_kwargs={"min_new_tokens": regime.completion} if regime.forced else None,
+    )  # fmt: skip
+    if task is not None:  # the learning-curve task (cpu_demo's spelling) overrides model-free settings
+        common.update(task["settings"], max_steps=warmup + steps, output_dir=common["output_dir"], seed=seed,
+                      logging_steps=1, disable_tqdm=True, generation_kwargs=None)  # fmt: skip
+    reward = task["reward"] if task else make_reward(regime.reward_delay_s)
+    data = task["dataset"] if task else dataset()
+    clock = _Clock()
+    if kind == "sync":
+        trainer = TimedGRPOTrainer(model=model_dir, reward_funcs=reward, args=GRPOConfig(**common),
+                                   train_dataset=data, callbacks=[clock])  # fmt: skip
+    else:
+        args = AsyncGRPOConfig(**common, max_staleness=staleness, num_rollout_workers=regime.workers)
+        trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=data,
+                                   callbacks=[clock])  # fmt: skip
+    started = time.time()
+    trainer.train()
+    lo, hi = clock.step_end[warmup - 1] if warmup else started, clock.step_end[-1]
+    wall = hi - lo
+    window = [h for h in trainer.state.log_history if "completions/mean_length" in h][warmup:]
+    tokens = sum(h["completions/mean_length"] * BATCH for h in window)
+    row = {
+        "regime": regime.name, "kind": kind, "threads": threads, "staleness": staleness if kind == "async" else None,
+        "workers": regime.workers if kind == "async" else 0, "steps": steps, "wall_s": wall,
+        "samples_per_s": steps * BATCH / wall, "tokens_per_s": tokens / wall,
+        "rewards": [(t - started, r) for t, r in clock.rewards],
+    }  # fmt: skip
+    if kind == "sync":
+        gen = _overlap([(s, e) for k, s, e in trainer.phases if k == "generate"], lo, hi)
+        rew = _overlap([(s, e) for k, s, e in trainer.phases if k == "reward"], lo, hi)
+        row.update(generate_s=gen, reward_s=rew, trainer_busy=(wall - gen - rew) / wall, worker_busy=None,
+                   sync_share=0.0)  # fmt: skip
+        row["timeline"] = [(k, 0, s - lo, e - lo) for k, s, e in trainer.phases if s < hi and e > lo]
+    else:
+        pool = trainer.last_rollout_pool
+        activity = list(pool.activity)
+        waits = [(s, e) for k, _, s, e in activity if k == "wait"]
+        calls = [(w, s, e) for k, w, s, e in activity if k == "generate"]
+        wait = _overlap(waits, lo, hi)
+        syncs = [h.get("async/weight_sync_s", 0.0) for h in window]
+        row.update(
+            trainer_busy=(wall - wait) / wall,
+            worker_busy=_overlap([(s, e) for _, s, e in calls], lo, hi) / (wall * regime.workers),
+            sync_share=sum(syncs) / wall,
+            # simulator inputs, measured in this run
+            gen_calls_s=[e - s for _, s, e in calls],
+            train_steps_s=[(e - b) - _overlap(waits, b, e) for b, e in zip(clock.step_begin, clock.step_end, strict=True)][warmup:],
+            sync_s=statistics.fmean(syncs) if syncs else 0.0,
+            groups_per_call=trainer._rollout_batch_groups,
+        )  # fmt: skip
+        row["timeline"] = [("wait", -1, s - lo, e - lo) for s, e in waits if s < hi and e > lo] + [
+            ("generate", w + 1, s - lo, e - lo) for w, s, e in calls if s < hi and e > lo
+        ]
+    row["step_spans"] = [(b - lo, e - lo) for b, e in zip(clock.step_begin, clock.step_end, strict=True) if e > lo]
+    del trainer
+    gc.collect()
+    return row
+
+
+def configs(regime: Regime, quick: bool) -> list[dict]:
+    out = [dict(kind="sync", threads=1), dict(kind="sync", threads=2)]
+    stalenesses = [0, 1, 2, 4] if (regime.name == "balanced" or not quick) else [1, 2]
+    return out + [dict(kind="async", staleness=s) for s in stalenesses]
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """Median over repeats per (regime, config); bound and efficiency from the 1-thread sync run of the regime."""
+    keyed: dict[tuple, list[dict]] = {}
+    for r in rows:
+        keyed.setdefault((r["regime"], r["kind"], r["threads"], r["staleness"]), []).append(r)
+    out = []
+    for key, group in keyed.items():
+        med = {k: statistics.median(r[k] for r in group) for k in ("wall_s", "samples_per_s", "tokens_per_s",
+                                                                    "trainer_busy", "sync_share")}  # fmt: skip
+        wb = [r["worker_busy"] for r in group if r["worker_busy"] is not None]
+        out.append({**dict(zip(("regime", "kind", "threads", "staleness"), key, strict=True)), **med,
+                    "worker_busy": statistics.median(wb) if wb else None, "repeats": len(group)})  # fmt: skip
+    for regime in {r["regime"] for r in out}:
+        mine = [r for r in out if r["regime"] == regime]
+        one = [r for r in rows if r["regime"] == regime and r["kind"] == "sync" and r["threads"] == 1]
+        work = statistics.median(r["wall_s"] - r["reward_s"] for r in one)  # single-core work (reward sleeps)
+        gen = statistics.median(r["generate_s"] for r in one)
+        best_sync = min(r["wall_s"] for r in mine if r["kind"] == "sync")
+        for r in mine:
+            r["bound_s"] = work / CORES
+            r["efficiency"] = r["bound_s"] / r["wall_s"]
+            r["speedup_vs_best_sync"] = best_sync / r["wall_s"]
+            r["separate_device_ideal"] = work / max(gen, work - gen)
+    return out
+
+
+def learning_curves(steps: int) -> dict:
+    """Reward vs wall-clock on cpu_demo's task: sync GRPOTrainer (2 threads) vs async (max_staleness 1), same seed."""
+    import cpu_demo
+
+    from trl_async.tiny import save_tiny_model
+
+    model_dir = str(save_tiny_model(tempfile.mkdtemp(prefix="lc_"), chars=cpu_demo.VOCAB))
+    settings = {k: v for k, v in cpu_demo.DEMO_DEFAULTS.items() if k not in ("max_staleness", "num_rollout_workers")}
+    task = dict(reward=cpu_demo.spelling_reward, dataset=cpu_demo.make_dataset(), settings=settings)
+    regime = Regime("learning", "cpu_demo task", 64, 2, settings["max_completion_length"], forced=False)
+    curves = {}
+    for name, kind, threads in (("sync (2 threads)", "sync", 2), ("async (max_staleness 1)", "async", 1)):
+        r = run_one(regime, model_dir, kind, steps, warmup=0, threads=threads, staleness=1, task=task)
+        curves[name] = {"rewards": r["rewards"], "wall_s": r["wall_s"]}
+    return curves
+
+
+def validate_simulator(rows: list[dict]) -> list[dict]:
+    from simulate import Pipeline, simulate
+
+    out = []
+    for r in rows:
+        if r["kind"] != "async" or not r["gen_calls_s"]:
+            continue
+        groups_per_step = BATCH // GROUP
+        workers = next(g.workers for g in REGIMES if g.name == r["regime"])
+        pipeline = Pipeline(workers=workers, gen_call_s=statistics.median(r["gen_calls_s"]),
+                            groups_per_call=r["groups_per_call"], train_step_s=statistics.median(r["train_steps_s"]),
+                            groups_per_step=groups_per_step, max_staleness=r["staleness"])  # fmt: skip
+        pred = simulate(pipeline, steps=r["steps"] + 10).seconds_per_step(warmup=10)
+        measured = r["wall_s"] / r["steps"]
+        out.append({"regime": r["regime"], "staleness": r["staleness"], "measured_s_per_step": measured,
+                    "predicted_s_per_step": pred, "error": pred / measured - 1})  # fmt: skip
+    return out
+
+
+def plots(rows: list[dict], curves: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import report
+
+    summary = summarise(rows)
+    regimes = [g.name for g in REGIMES]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    labels = sorted(
+        {(r["kind"], r["threads"], r["staleness"]) for r in summary}, key=lambda k: (k[0], k[2] or 0, k[1])
+    )
+    width = 0.8 / len(labels)
+    for i, (kind, threads, s) in enumerate(labels):
+        ys = [next((r["speedup_vs_best_sync"] for r in summary if r["regime"] == g and
+                    (r["kind"], r["threads"], r["staleness"]) == (kind, threads, s)), 0) for g in regimes]  # fmt: skip
+        name = f"sync {threads} thr" if kind == "sync" else f"async η={s}"
+        ax.bar([x + i * width for x in range(len(regimes))], ys, width, label=name)
+    ax.axhline(1.0, color="k", lw=1)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(regimes))], regimes)
+    ax.set(ylabel="speed-up vs best sync", title="throughput (higher is better)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(report.png_path("throughput"), dpi=110)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, c in curves.items():
+        ts, rs = zip(*c["rewards"], strict=True)
+        smooth = [statistics.fmean(rs[max(0, i - 9) : i + 1]) for i in range(len(rs))]
+        ax.plot(ts, smooth, label=name)
+    ax.set(xlabel="wall-clock s (from train() start)", ylabel="batch reward (10-step mean)", title="cpu_demo task")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(report.png_path("throughput_reward"), dpi=110)
+
+    picks = [r for r in rows if r["regime"] == "balanced" and (r["kind"], r["threads"], r["staleness"])
+             in (("sync", 2, None), ("async", 1, 1))][:2]  # fmt: skip
+    fig, axes = plt.subplots(len(picks), 1, figsize=(9, 1.2 + 1.3 * len(picks)), squeeze=False)
+    colours = {"generate": "tab:orange", "reward": "tab:red", "wait": "lightgrey", "train": "tab:blue"}
+    for ax, r in zip(axes[:, 0], picks, strict=True):
+        span = 4.0
+        for b, e in r["step_spans"]:
+            ax.broken_barh([(b, e - b)], (0, 0.8), color=colours["train"])
+        for kind, lane, s, e in r["timeline"]:
+            y = 0 if lane <= 0 else lane
+            ax.broken_barh([(s, e - s)], (y, 0.8), color=colours[kind])
+        lanes = ["trainer"] + [f"worker {i}" for i in range(1, (r["workers"] or 0) + 1)]
+        ax.set_yticks([0.4 + i for i in range(len(lanes))], lanes)
+        ax.set_xlim(0, span)
+        title = "TRL GRPOTrainer, 2 threads" if r["kind"] == "sync" else "AsyncGRPOTrainer, max_staleness 1"
+        ax.set_title(f"{title}: blue train, orange generate, red reward, grey trainer waiting", fontsize=8)
+    axes[-1, 0].set_xlabel("seconds (balanced regime, after warm-up)")
+    fig.tight_layout()
+    fig.savefig(report.png_path("throughput_timeline"), dpi=110)
+
+
+def main() -> None:
+    import report
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="one repeat, fewer steps (~5 min)")
+    cli = parser.parse_args()
+    repeats, steps, warmup, curve_steps = (1, 6, 2, 200) if cli.quick else (2, 12, 3, 400)
+    work = tempfile.mkdtemp(prefix="throughput_")
+    rows = []
+    for regime in REGIMES:
+        model_dir = make_model(regime, os.path.join(work, regime.name))
+        for rep in range(repeats):  # interleaved: every config once per repeat, in turn
+            for cfg in configs(regime, cli.quick) if rep % 2 == 0 else configs(regime, cli.quick)[::-1]:
+                rows.append(run_one(regime, model_dir, steps=steps, warmup=warmup, seed=rep, **cfg))
+                r = rows[-1]
+                print(f"{regime.name:12s} {r['kind']:5s} thr={r['threads']} η={r['staleness']} "
+                      f"{r['wall_s']:.2f}s {r['samples_per_s']:.1f} samples/s", flush=True)  # fmt: skip
+    curves = learning_curves(curve_steps)
+    summary = summarise(rows)
+    validation = validate_simulator(rows)
+    report.write_json("throughput", {"cores": CORES, "quick": cli.quick, "steps": steps, "warmup": warmup,
+                                     "summary": summary, "simulator_validation": validation,
+                                     "curves": curves, "runs": rows})  # fmt: skip
+    plots(rows, curves)
+    table = report.markdown_table(
+        ["regime", "trainer", "wall s", "samples/s", "tokens/s", "trainer busy", "worker busy", "sync share",
+         "efficiency", "vs best sync", "separate-device ideal"],
+        [[r["regime"], f"sync {r['threads']} thr" if r["kind"] == "sync" else f"async η={r['staleness']}",
+          r["wall_s"], r["samples_per_s"], r["tokens_per_s"], r["trainer_busy"],
+          "-" if r["worker_busy"] is None else r["worker_busy"], r["sync_share"], r["efficiency"],
+          r["speedup_vs_best_sync"], r["separate_device_ideal"]] for r in summary],
+    )  # fmt: skip
+    sim_table = report.markdown_table(
+        ["regime", "max_staleness", "measured s/step", "simulated s/step", "error"],
+        [[v["regime"], v["staleness"], v["measured_s_per_step"], v["predicted_s_per_step"],
+          f"{100 * v['error']:+.0f}%"] for v in validation],
+    )  # fmt: skip
+    final = {name: statistics.fmean(r for _, r in c["rewards"][-20:]) for name, c in curves.items()}
+    command = "python benchmarks/throughput.py" + (" --quick" if cli.quick else "")
+    regimes = "\n".join(
+        f"- `{g.name}`: {g.what}; h{g.hidden}×{g.layers} layers, {g.completion} tokens" for g in REGIMES
+    )
+    report.update_readme(
+        "throughput",
+        f"### Throughput vs TRL's GRPOTrainer (`{command}`)\n\n{CORES} cores; batch {BATCH} = {BATCH // GROUP} "
+        f"prompts × {GROUP}; {steps} measured steps after {warmup} warm-up; {repeats} interleaved repeat(s), median. "
+        "Async: trainer 1 thread + workers 1 thread each. 'efficiency' = (single-core work ÷ cores) ÷ wall time; "
+        "'vs best sync' = best synchronous wall ÷ this wall; 'separate-device ideal' = (G+T)/max(G,T).\n\n"
+        f"{regimes}\n\n{table}\n\nSimulator (`benchmarks/simulate.py`) fed this run's measured generate-call and "
+        f"step times:\n\n{sim_table}\n\nLearning on the cpu_demo task ({curve_steps} steps, same seed), mean "
+        f"reward of the last 20 steps: "
+        + ", ".join(f"{k} {v:.2f} in {curves[k]['wall_s']:.0f} s" for k, v in final.items())
+        + "\n\n![](results/throughput.png)\n![](results/throughput_reward.png)\n![](results/throughput_timeline.png)",
+    )
+    print(table)
+    print(sim_table)
+
+
+if __name__ == "__main__":
+    main()
