@@ -9,7 +9,8 @@ max_groups_admitted`` (AReaL's rule) capped by the queue size; a worker takes up
 groups per generate call and samples them with the newest published version at the call's start (``batch`` weight
 update); the trainer consumes ``groups_per_step`` groups per optimizer step in arrival order, drops groups staler than
 ``max_staleness`` (their slots are admitted again), trains, and publishes every ``weight_sync_steps`` steps, paying
-``sync_s`` on the trainer. One step per generation batch (GRPOTrainer's default).
+``sync_s`` on the trainer. Finished groups are scored one at a time (``score_s`` each; the trainer process's
+collector thread) before the trainer can take them. One step per generation batch (GRPOTrainer's default).
 
     python benchmarks/simulate.py          # cluster-scale plots (throughput and staleness vs workers, max_staleness)
 
@@ -44,6 +45,7 @@ class Pipeline:
     sync_s: float = 0.0
     weight_sync_steps: int = 1
     queue_size: int | None = None  # groups queued or in flight; None: (max_staleness + 1) batches, as the trainer
+    score_s: float | Sequence[float] = 0.0  # reward latency per group; one scorer, first come first served
 
 
 @dataclass
@@ -88,7 +90,9 @@ def simulate(p: Pipeline, steps: int) -> Prediction:
     if p.workers < 1 or p.groups_per_call < 1 or p.groups_per_step < 1 or steps < 1 or p.max_staleness < 0:
         raise ValueError("workers, groups_per_call, groups_per_step and steps must be >= 1, max_staleness >= 0")
     queue_size = p.queue_size or (p.max_staleness + 1) * p.groups_per_step
-    gen_times, train_times = _cycle(p.gen_call_s), _cycle(p.train_step_s)
+    gen_times, train_times, score_times = _cycle(p.gen_call_s), _cycle(p.train_step_s), _cycle(p.score_s)
+    to_score: list[int] = []  # versions of generated groups waiting for the scorer
+    scorer_busy = False
     published, admitted, consumed = 0, 0, 0
     ready: list[int] = []  # versions of finished groups, in arrival order
     idle_workers = list(range(p.workers))
@@ -133,13 +137,25 @@ def simulate(p: Pipeline, steps: int) -> Prediction:
         pred.trainer_busy_s += duration
         heapq.heappush(events, (now + duration, next(order), "trained", ()))
 
+    def score_next(now: float) -> None:
+        nonlocal scorer_busy
+        if to_score and not scorer_busy:
+            scorer_busy = True
+            heapq.heappush(events, (now + next(score_times), next(order), "scored", (to_score.pop(0),)))
+
     dispatch(0.0)
     while len(pred.step_end_s) < steps:
         now, _, kind, data = heapq.heappop(events)
         if kind == "generated":
             w, k, v = data
-            ready.extend([v] * k)
+            if p.score_s:
+                to_score.extend([v] * k)
+            else:
+                ready.extend([v] * k)
             idle_workers.append(w)
+        elif kind == "scored":
+            ready.append(data[0])
+            scorer_busy = False
         else:  # trained
             version += 1
             consumed += p.groups_per_step
@@ -151,6 +167,7 @@ def simulate(p: Pipeline, steps: int) -> Prediction:
             trainer_waiting_since = now
         if trainer_waiting_since is not None:
             try_train(now)
+        score_next(now)
         dispatch(now)
     return pred
 

@@ -56,6 +56,7 @@ class Regime:
     eos_scale: float | None = None  # long tail: the EOS logit's direction scaled (see make_model)
     reward_delay_s: float = 0.0  # per completion, a sleeping verifier
     workers: int = 1
+    batch_groups: int | None = None  # rollout_batch_groups (None: the batch split across the workers)
 
 
 REGIMES = [
@@ -70,7 +71,15 @@ REGIMES = [
         forced=False,
         eos_scale=-2.0,
     ),  # fmt: skip
-    Regime("gen_bound", "generation-bound (G >> T), 2 workers", hidden=64, layers=2, completion=128, workers=2),
+    Regime(
+        "gen_bound",
+        "generation-bound (G >> T), 2 workers, a whole batch per generate call",
+        hidden=64,
+        layers=2,
+        completion=128,
+        workers=2,
+        batch_groups=4,
+    ),  # fmt: skip
 ]
 
 
@@ -162,7 +171,8 @@ def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, 
         trainer = TimedGRPOTrainer(model=model_dir, reward_funcs=reward, args=GRPOConfig(**common),
                                    train_dataset=data, callbacks=[clock])  # fmt: skip
     else:
-        args = AsyncGRPOConfig(**common, max_staleness=staleness, num_rollout_workers=regime.workers)
+        args = AsyncGRPOConfig(**common, max_staleness=staleness, num_rollout_workers=regime.workers,
+                               rollout_batch_groups=regime.batch_groups)  # fmt: skip
         trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=data,
                                    callbacks=[clock])  # fmt: skip
     started = time.time()
@@ -188,6 +198,7 @@ def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, 
         activity = list(pool.activity)
         waits = [(s, e) for k, _, s, e in activity if k == "wait"]
         calls = [(w, s, e) for k, w, s, e in activity if k == "generate"]
+        scores = [(s, e) for k, _, s, e in activity if k == "score"]
         wait = _overlap(waits, lo, hi)
         syncs = [h.get("async/weight_sync_s", 0.0) for h in window]
         row.update(
@@ -198,11 +209,14 @@ def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, 
             gen_calls_s=[e - s for _, s, e in calls],
             train_steps_s=[(e - b) - _overlap(waits, b, e) for b, e in zip(clock.step_begin, clock.step_end, strict=True)][warmup:],
             sync_s=statistics.fmean(syncs) if syncs else 0.0,
+            score_s=statistics.median(e - s for s, e in scores) if scores else 0.0,
             groups_per_call=trainer._rollout_batch_groups,
         )  # fmt: skip
-        row["timeline"] = [("wait", -1, s - lo, e - lo) for s, e in waits if s < hi and e > lo] + [
-            ("generate", w + 1, s - lo, e - lo) for w, s, e in calls if s < hi and e > lo
-        ]
+        row["timeline"] = (
+            [("wait", 0, s - lo, e - lo) for s, e in waits if s < hi and e > lo]
+            + [("reward", 0, s - lo, e - lo) for s, e in scores if s < hi and e > lo]
+            + [("generate", w + 1, s - lo, e - lo) for w, s, e in calls if s < hi and e > lo]
+        )
     row["step_spans"] = [(b - lo, e - lo) for b, e in zip(clock.step_begin, clock.step_end, strict=True) if e > lo]
     del trainer
     gc.collect()
@@ -269,7 +283,8 @@ def validate_simulator(rows: list[dict]) -> list[dict]:
         workers = next(g.workers for g in REGIMES if g.name == r["regime"])
         pipeline = Pipeline(workers=workers, gen_call_s=statistics.median(r["gen_calls_s"]),
                             groups_per_call=r["groups_per_call"], train_step_s=statistics.median(r["train_steps_s"]),
-                            groups_per_step=groups_per_step, max_staleness=r["staleness"])  # fmt: skip
+                            groups_per_step=groups_per_step, max_staleness=r["staleness"],
+                            sync_s=r["sync_s"], score_s=r["score_s"])  # fmt: skip
         pred = simulate(pipeline, steps=r["steps"] + 10).seconds_per_step(warmup=10)
         measured = r["wall_s"] / r["steps"]
         out.append({"regime": r["regime"], "staleness": r["staleness"], "measured_s_per_step": measured,
@@ -322,13 +337,15 @@ def plots(rows: list[dict], curves: dict) -> None:
         for b, e in r["step_spans"]:
             ax.broken_barh([(b, e - b)], (0, 0.8), color=colours["train"])
         for kind, lane, s, e in r["timeline"]:
-            y = 0 if lane <= 0 else lane
-            ax.broken_barh([(s, e - s)], (y, 0.8), color=colours[kind])
+            # trainer lane 0 (train, wait; sync also generates and scores there); async scoring runs on the
+            # trainer process's collector thread, drawn as a thin bar under the trainer lane
+            y, h = (-0.35, 0.3) if (kind == "reward" and r["kind"] == "async") else (lane, 0.8)
+            ax.broken_barh([(s, e - s)], (y, h), color=colours[kind])
         lanes = ["trainer"] + [f"worker {i}" for i in range(1, (r["workers"] or 0) + 1)]
         ax.set_yticks([0.4 + i for i in range(len(lanes))], lanes)
         ax.set_xlim(0, span)
         title = "TRL GRPOTrainer, 2 threads" if r["kind"] == "sync" else "AsyncGRPOTrainer, max_staleness 1"
-        ax.set_title(f"{title}: blue train, orange generate, red reward, grey trainer waiting", fontsize=8)
+        ax.set_title(f"{title}: blue train, orange generate, red reward scoring, grey trainer waiting", fontsize=8)
     axes[-1, 0].set_xlabel("seconds (balanced regime, after warm-up)")
     fig.tight_layout()
     fig.savefig(report.png_path("throughput_timeline"), dpi=110)

@@ -42,3 +42,13 @@ def test_two_workers_halve_a_generation_bound_step():
     pred = simulate(Pipeline(max_staleness=1, **two), steps=20)
     assert pred.seconds_per_step(warmup=5) == pytest.approx(1.0)  # 4 groups per second, train 1 s
     assert max(pred.staleness) <= 1
+
+
+def test_reward_latency_is_a_serial_stage_between_generation_and_training():
+    # 4 groups x 0.25 s of scoring after each 2 s generate call. Sync: 2 + 1 + 1 = 4 s per step. With one step of
+    # staleness scoring and training overlap the next call: t=0-2 gen b0, 2-3 score b0, 3-4 train; 2-4 gen b1,
+    # 4-5 score b1, 5-6 train; 4-6 gen b2 (v1), 6-7 score, 7-8 train; 6-8 gen b3, 8-9 score, 9-10 train.
+    sync = simulate(Pipeline(max_staleness=0, score_s=0.25, **BASE), steps=2)
+    assert sync.step_end_s == pytest.approx([4.0, 8.0])
+    overlapped = simulate(Pipeline(max_staleness=1, score_s=0.25, **BASE), steps=4)
+    assert overlapped.step_end_s == pytest.approx([4.0, 6.0, 8.0, 10.0])

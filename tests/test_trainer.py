@@ -135,6 +135,48 @@ def test_importance_weight_reaches_grpo_loss(tmp_path, tiny_model_dir):
     assert not trainer.use_vllm  # the seam is switched on per call only
 
 
+def test_weight_from_the_loss_forward_equals_a_separate_proximal_forward(tmp_path, tiny_model_dir):
+    # One optimizer step per generation batch: pi_prox is taken from the loss's own forward (one forward saved). It
+    # must give the same loss and gradient as computing pi_prox in a separate forward first.
+    args = async_args(tmp_path, off_policy_correction="tis", importance_sampling_cap=1.2)
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir, reward_funcs=letter_reward, args=args, train_dataset=text_dataset()
+    )
+    assert trainer._correction_from_loss_forward()
+    b = 2
+    inputs = {
+        "prompt_ids": torch.tensor([[5, 6], [7, 8]]),
+        "prompt_mask": torch.ones(b, 2, dtype=torch.long),
+        "completion_ids": torch.tensor([[9, 10, 11], [12, 13, 14]]),
+        "completion_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
+        "advantages": torch.tensor([1.0, -0.5]),
+        "num_items_in_batch": torch.tensor(5),
+        "sampling_per_token_logps": torch.tensor([[-5.0, -4.0, -3.0], [-3.5, -6.0, 0.0]]),  # ratios ~3 > cap and < 1
+    }
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+
+    def loss_and_grad(batch):
+        trainer.model.zero_grad()
+        loss = trainer._compute_loss(trainer.model, batch)
+        loss.backward()
+        return loss.item(), torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+
+    separate = dict(inputs)
+    prox = trainer._proximal_logps(separate)
+    separate["old_per_token_logps"] = prox
+    separate["importance_sampling_ratio"] = trainer._staleness_weights(prox, inputs["sampling_per_token_logps"],
+                                                                       inputs["completion_mask"])  # fmt: skip
+    assert (separate["importance_sampling_ratio"] < torch.exp(prox - inputs["sampling_per_token_logps"])).any()
+    deferred = dict(inputs)
+    loss_a, grad_a = loss_and_grad(separate)
+    loss_b, grad_b = loss_and_grad(deferred)
+    assert loss_b == pytest.approx(loss_a, rel=1e-6)
+    assert torch.allclose(grad_a, grad_b, atol=1e-7)
+    assert torch.equal(deferred["importance_sampling_ratio"], separate["importance_sampling_ratio"])
+    assert "_get_per_token_logps_and_entropies" not in trainer.__dict__ and not trainer.use_vllm  # restored
+
+
 def test_in_flight_weight_updates_keep_versions_bounded(tmp_path, tiny_model_dir):
     args = async_args(tmp_path, rollout_weight_update="decode_step", max_staleness=1, max_completion_length=12)
     trainer = AsyncGRPOTrainer(

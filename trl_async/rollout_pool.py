@@ -114,8 +114,9 @@ class RolloutPool:
         self.worker_versions: dict[int, int] = {}
         self._tokens_since_take = 0
         self._last_take_end = time.perf_counter()
-        # (kind, worker id or -1 for the trainer, start, end) in time.time(): "generate" calls and trainer "wait"s in
-        # take(); bounded, for timelines and utilisation (benchmarks/throughput.py)
+        # (kind, worker id or -1 for the trainer, start, end) in time.time(): "generate" calls, "score" (one group's
+        # rewards, on the collector thread) and the trainer's "wait"s in take(); bounded, for timelines and
+        # utilisation (benchmarks/throughput.py)
         self.activity: deque[tuple[str, int, float, float]] = deque(maxlen=100_000)
         self._last_call: dict[int, float] = {}
 
@@ -300,7 +301,9 @@ class RolloutPool:
                     self._last_call[msg.worker_id] = msg.generate_started_at
                     end = msg.generate_started_at + msg.generate_s
                     self.activity.append(("generate", msg.worker_id, msg.generate_started_at, end))
+                scoring_started = time.time()
                 scored = self._score_group(msg)
+                self.activity.append(("score", msg.worker_id, scoring_started, time.time()))
                 with self._cv:
                     self._ready.append(scored)
                     self._tokens_since_take += msg.num_tokens

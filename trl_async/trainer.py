@@ -389,10 +389,16 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     # ---- off-policy correction -----------------------------------------------------------------------------------
     def _add_off_policy_inputs(self, output: dict) -> None:
-        """Set ``old_per_token_logps`` = pi_prox (the trainer's policy now: one forward pass, or mu in bypass mode)
-        and the staleness weight ``importance_sampling_ratio`` = f(pi_prox / mu) that GRPOTrainer's loss multiplies
-        in. With ``off_policy_correction="none"`` (no bypass) neither is set, so GRPOTrainer treats the batch as
-        on-policy, exactly as it treats its own generations."""
+        """Set ``old_per_token_logps`` = pi_prox (the trainer's policy now, or mu in bypass mode) and the staleness
+        weight ``importance_sampling_ratio`` = f(pi_prox / mu) that GRPOTrainer's loss multiplies in. With
+        ``off_policy_correction="none"`` (no bypass) neither is set, so GRPOTrainer treats the batch as on-policy,
+        exactly as it treats its own generations.
+
+        When one optimizer step consumes the whole generation batch (``steps_per_batch == 1``: GRPOTrainer's
+        default), the weights do not change between now and the loss, so pi_prox is the loss's own forward pass,
+        detached: both are left unset here and ``_compute_loss`` fills the weight in from that forward (GRPOTrainer
+        itself uses ``per_token_logps.detach()`` when ``old_per_token_logps`` is unset). That saves one forward pass
+        per step, the extra cost of the decoupled correction over synchronous GRPO."""
         a = self.async_args
         if a.off_policy_correction == "none" and not a.off_policy_bypass:
             return
@@ -401,16 +407,22 @@ class AsyncGRPOTrainer(GRPOTrainer):
             prox = behaviour
         elif output.get("old_per_token_logps") is not None:  # GRPOTrainer already computed it (same weights)
             prox = output["old_per_token_logps"]
+        elif self._steps_per_batch == 1:
+            return  # pi_prox comes from the loss's forward pass (see _compute_loss)
         else:
             prox = self._proximal_logps(output)
+        output["old_per_token_logps"] = prox
+        output["importance_sampling_ratio"] = self._staleness_weights(prox, behaviour, mask)
+
+    def _staleness_weights(self, prox: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        a = self.async_args
         correction = off_policy_correction(
             prox, behaviour, mask, a.off_policy_correction, a.resolved_importance_sampling_cap,
             a.importance_sampling_floor,
         )  # fmt: skip
-        output["old_per_token_logps"] = prox
-        output["importance_sampling_ratio"] = correction.weights_BT
         for name, value in correction.stats.items():
             self._metrics["train"][f"is/{name}"].append(value)
+        return correction.weights_BT
 
     def _proximal_logps(self, output: dict) -> torch.Tensor:
         """log pi_prox of the completion tokens under the trainer's current weights (GRPOTrainer's own forward)."""
@@ -430,11 +442,37 @@ class AsyncGRPOTrainer(GRPOTrainer):
         # GRPOTrainer multiplies `importance_sampling_ratio` into the per-token loss only when
         # `use_vllm and vllm_importance_sampling_correction`. Our staleness weight goes through that same seam, so
         # switch it on for this call only (nothing else in `_compute_loss` reads `use_vllm`).
-        if "importance_sampling_ratio" not in inputs:
+        deferred = (
+            "importance_sampling_ratio" not in inputs
+            and "sampling_per_token_logps" in inputs
+            and model.training
+            and self._correction_from_loss_forward()
+        )
+        if "importance_sampling_ratio" not in inputs and not deferred:
             return super()._compute_loss(model, inputs)
         saved = self.use_vllm, self.vllm_importance_sampling_correction
         self.use_vllm, self.vllm_importance_sampling_correction = True, True
+        if deferred:
+            # the policy forward is the first thing GRPOTrainer's loss computes, and the weight is read after it:
+            # intercept that one call to set the weight from pi_prox = its log-probs, detached
+            policy_forward = self._get_per_token_logps_and_entropies
+
+            def forward_then_weight(*args, **kwargs):
+                del self._get_per_token_logps_and_entropies  # back to the method for any later call
+                result = policy_forward(*args, **kwargs)
+                prox = result[0].detach()
+                inputs["importance_sampling_ratio"] = self._staleness_weights(
+                    prox, inputs["sampling_per_token_logps"], inputs["completion_mask"]
+                )
+                return result
+
+            self._get_per_token_logps_and_entropies = forward_then_weight
         try:
             return super()._compute_loss(model, inputs)
         finally:
             self.use_vllm, self.vllm_importance_sampling_correction = saved
+            self.__dict__.pop("_get_per_token_logps_and_entropies", None)
+
+    def _correction_from_loss_forward(self) -> bool:
+        a = self.async_args
+        return self._steps_per_batch == 1 and a.off_policy_correction != "none" and not a.off_policy_bypass

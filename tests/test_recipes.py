@@ -1,0 +1,67 @@
+"""The GSM8K recipe's parsing and setup path on CPU: its YAML + command-line overrides through TrlParser, a local
+dataset file, a tiny local model, two real async training steps. Its reward functions against hand-made cases."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "recipes"))
+import gsm8k_async  # noqa: E402
+
+ROWS = [
+    {"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3 + 4 = 7\n#### 7"},
+    {"question": "A pen costs 1,200 cents. How many cents do 2 cost?", "answer": "2 * 1200 = 2400\n#### 2,400"},
+    {"question": "Half of 9?", "answer": "9 / 2 = 4.5\n#### 4.5"},
+    {"question": "5 minus 8?", "answer": "#### -3"},
+]
+
+
+def test_correctness_compares_the_last_number_with_the_reference():
+    completions = ["3 + 4 = 7\n#### 7", "so 2400 cents", "#### 2,400", "answer 4.50", "7 then 8", "no number", "-3"]
+    solution = ["7", "2400", "2400", "4.5", "7", "7", "-3"]
+    assert gsm8k_async.correctness(completions, solution) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+    chat = [[{"role": "assistant", "content": "it is 12\n#### 12"}]]  # conversational completions
+    assert gsm8k_async.correctness(chat, ["12"]) == [1.0]
+
+
+def test_format_reward_wants_the_final_line_marker():
+    completions = ["x\n#### 7", "#### 2,400  ", "7", "#### seven", "#### 7 is it"]
+    assert gsm8k_async.format_reward(completions) == [1.0, 1.0, 0.0, 0.0, 0.0]
+
+
+def test_reference_answer_is_the_text_after_the_marker():
+    assert [gsm8k_async.reference_answer(r["answer"]) for r in ROWS] == ["7", "2400", "4.5", "-3"]
+
+
+def test_recipe_parses_its_yaml_with_overrides_and_trains_on_a_local_file(tmp_path, tiny_model_dir, capsys):
+    from trl import TrlParser
+
+    from trl_async import AsyncGRPOConfig
+
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    parser = TrlParser((gsm8k_async.GSM8KArguments, AsyncGRPOConfig, gsm8k_async.ModelConfig))
+    script_args, training_args, model_args = parser.parse_args_and_config(
+        [
+            "--config", str(ROOT / "recipes/configs/gsm8k_async.yaml"),
+            "--model_name_or_path", tiny_model_dir, "--dtype", "float32", "--dataset_path", str(data),
+            "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--per_device_train_batch_size", "4",
+            "--gradient_accumulation_steps", "1", "--num_generations", "2", "--max_completion_length", "8",
+            "--bf16", "false", "--use_cpu", "true", "--gradient_checkpointing", "false", "--logging_steps", "1",
+            "--save_strategy", "no", "--disable_tqdm", "true",
+        ]
+    )  # fmt: skip
+    # from the YAML, not overridden
+    assert training_args.max_staleness == 2 and training_args.loss_type == "dapo"
+    assert training_args.learning_rate == pytest.approx(1e-6) and script_args.dataset_name == "openai/gsm8k"
+    prompts = gsm8k_async.load_gsm8k(script_args)
+    assert prompts[1]["solution"] == "2400" and prompts[1]["prompt"][-1]["content"] == ROWS[1]["question"]
+
+    summary = gsm8k_async.main(script_args, training_args, model_args)
+    assert summary["steps"] == 2
+    assert 0.0 <= summary["reward_first"] <= 2.0 and summary["staleness_max"] <= 2
+    assert (tmp_path / "out" / "model.safetensors").exists()  # the trained model was saved
+    assert "GSM8K async GRPO" in capsys.readouterr().out
