@@ -22,6 +22,8 @@ BASE = dict(output_dir="/tmp/trl_async_cfg", report_to=[], bf16=False, use_cpu=T
         ("importance_sampling_cap", 1.0, "cap > 1"),
         ("importance_sampling_floor", 1.0, "floor in \\[0, 1\\)"),
         ("rollout_torch_threads", 0, "1 or more"),
+        ("rollout_max_restarts", -1, "0 or more"),
+        ("rollout_heartbeat_timeout_s", 1.0, "2 seconds or more"),
     ],
 )
 def test_bad_value_names_the_field_and_the_fix(field, value, fix):

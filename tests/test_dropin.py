@@ -50,6 +50,24 @@ def test_conversational_dataset(tmp_path, tiny_model_dir):
     assert prompt[0]["role"] == "user" and completion[0]["role"] == "assistant"
 
 
+def test_none_and_nan_rewards_are_ignored_as_grpo_does_and_counted(tmp_path, tiny_model_dir):
+    def patchy_reward(completions, **kwargs):  # completion 1 of each group: None, completion 2: NaN
+        return [None if i % 4 == 1 else float("nan") if i % 4 == 2 else 1.0 for i in range(len(completions))]
+
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=[patchy_reward, length_reward],
+        args=async_args(tmp_path, max_steps=2),
+        train_dataset=text_dataset(),
+    )
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "async/reward_nan" in h]
+    # batch of 8 = 2 groups x 4: two NaN values per group from patchy_reward, 4 per step
+    assert [h["async/reward_nan"] for h in logs] == [4, 4]
+    assert all(h["rewards/patchy_reward/mean"] == 1.0 for h in logs)  # NaNs ignored in the mean, as GRPOTrainer does
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
+
+
 def test_plain_grpo_config_and_a_reward_model(tmp_path, tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     torch.manual_seed(0)
@@ -165,3 +183,27 @@ def test_script_without_main_guard_trains_and_exits(tmp_path, tiny_model_dir):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("TOP-LEVEL RAN") == 1  # workers did not re-run the user's script
     assert "DONE" in out.stdout and no_rollout_children()
+
+
+def test_trajectory_file_records_every_consumed_completion(tmp_path, tiny_model_dir):
+    import json
+
+    def first_letter(prompts, completions, **kwargs):
+        return [1.0 if c.startswith("a") else 0.0 for c in completions]
+
+    args = async_args(tmp_path, max_steps=2, rollout_trajectory_file="traj/run.jsonl")
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir, reward_funcs=[first_letter, length_reward], args=args, train_dataset=text_dataset()
+    )
+    trainer.train()
+    lines = [json.loads(x) for x in (tmp_path / "traj" / "run.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 * 8 and [x["step"] for x in lines] == [0] * 8 + [1] * 8  # every completion, once
+    data = text_dataset()
+    for x in lines:
+        assert x["prompt"] == data[x["prompt_index"]]["prompt"]
+        assert x["rewards"]["first_letter"] == (1.0 if x["completion"].startswith("a") else 0.0)
+        assert x["rewards"]["length_reward"] == pytest.approx(length_reward([x["completion"]])[0])
+        assert len(x["versions"]) >= len(x["completion"]) and x["staleness"] == x["step"] - min(x["versions"])
+    for step in (0, 1):  # advantages: reward minus the group mean (scale_rewards="group": divided by the std)
+        group = [x for x in lines if x["step"] == step][:4]
+        assert sum(x["advantage"] for x in group) == pytest.approx(0.0, abs=1e-5)

@@ -1,5 +1,8 @@
-"""The rollout pool with real worker processes: admission control, backpressure, dropping stale groups, shutdown."""
+"""The rollout pool with real worker processes: admission control, backpressure, dropping stale groups, shutdown,
+and lost workers (killed, stopped) restarted with their groups generated again."""
 
+import os
+import signal
 import time
 
 import pytest
@@ -14,7 +17,9 @@ from trl_async.worker import WorkerSpec
 G = 2  # completions per group
 
 
-def make_pool(max_staleness, groups_per_batch=2, queue_size=None, workers=1, score=None, rows=8):
+def make_pool(
+    max_staleness, groups_per_batch=2, queue_size=None, workers=1, score=None, rows=8, max_restarts=0, heartbeat_s=10.0
+):
     tok = build_char_tokenizer()
     model = build_tiny_model(tok)
     gen = GenerationConfig(max_new_tokens=3, do_sample=True, pad_token_id=tok.pad_token_id, eos_token_id=[])
@@ -44,6 +49,8 @@ def make_pool(max_staleness, groups_per_batch=2, queue_size=None, workers=1, sco
         timeout_s=60,
         start_version=0,
         verify_weights=True,
+        max_restarts=max_restarts,
+        heartbeat_timeout_s=heartbeat_s,
     )
     prompts = PromptStream(rows, groups_per_batch, shuffle=False, seed=0)
     score = score or (lambda g: ScoredGroup(g, rewards=torch.zeros(G, 1)))
@@ -129,3 +136,55 @@ def test_a_killed_worker_is_reported_by_name():
             pool.take(4, consumer_version=0)
     finally:
         pool.close()
+
+
+def test_a_worker_killed_mid_generation_is_restarted_and_its_groups_generated_again():
+    pool, model = make_pool(max_staleness=0, max_restarts=1)
+    try:
+        first, _ = pool.take(2, consumer_version=0)
+        lost = pool.processes[0]
+        os.kill(lost.pid, signal.SIGSTOP)  # hold it mid-task so it surely dies with groups in hand
+        pool.publish([list(model.named_parameters())], version=1)
+        wait_until(lambda: len(pool.outstanding(0)) == 2)
+        os.kill(lost.pid, signal.SIGKILL)
+        groups, stats = pool.take(2, consumer_version=1)
+        assert pool.worker_restarts == 1 and "exited with code -9" in pool.lost_workers[0]
+        assert pool.processes[0].pid != lost.pid and not lost.is_alive()
+        # the dead worker's two groups were generated again: same prompts, fresh version, none lost or doubled
+        assert [g.group.prompt_index for g in first] == [0, 1]
+        assert sorted(g.group.prompt_index for g in groups) == [2, 3]
+        assert all(set(g.group.token_versions) == {1} for g in groups) and stats.staleness == [0] * 4
+        time.sleep(1.0)
+        assert pool.admitted == 4 and pool.ready_count == 0  # nothing generated twice
+    finally:
+        pool.close()
+    assert not any(p.is_alive() for p in pool.processes)
+
+
+def test_a_stopped_worker_misses_heartbeats_and_is_replaced():
+    pool, model = make_pool(max_staleness=0, max_restarts=1, heartbeat_s=2.0)
+    try:
+        pool.take(2, consumer_version=0)
+        stopped = pool.processes[0]
+        os.kill(stopped.pid, signal.SIGSTOP)
+        pool.publish([list(model.named_parameters())], version=1)
+        groups, _ = pool.take(2, consumer_version=1)  # served by the replacement
+        assert sorted(g.group.prompt_index for g in groups) == [2, 3]
+        assert "no heartbeat" in pool.lost_workers[0] and not stopped.is_alive()
+    finally:
+        pool.close()
+
+
+def test_a_stopped_worker_without_restarts_left_is_an_error_not_a_hang():
+    pool, model = make_pool(max_staleness=0, max_restarts=0, heartbeat_s=2.0)
+    try:
+        pool.take(2, consumer_version=0)
+        os.kill(pool.processes[0].pid, signal.SIGSTOP)
+        pool.publish([list(model.named_parameters())], version=1)
+        start = time.monotonic()
+        with pytest.raises(RolloutWorkerError, match=r"rollout worker 0 .* no heartbeat for .*rollout_max_restarts=0"):
+            pool.take(2, consumer_version=1)
+        assert time.monotonic() - start < 10
+    finally:
+        pool.close()
+    assert not any(p.is_alive() for p in pool.processes)

@@ -1,6 +1,10 @@
 """AsyncGRPOTrainer end to end on CPU with real worker processes (tiny local model, no network)."""
 
 import multiprocessing
+import os
+import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -186,11 +190,17 @@ def test_in_flight_weight_updates_keep_versions_bounded(tmp_path, tiny_model_dir
     assert max(trained_staleness(trainer)) <= 1 and no_rollout_children()
 
 
-def test_exception_in_training_leaves_no_worker_behind(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_interrupted_training_releases_workers_threads_and_shared_memory(tmp_path, tiny_model_dir, error):
+    shm_before = set(os.listdir("/dev/shm"))
+    threads_before = {t.name for t in threading.enumerate()}
+    raised_at = {}
+
     class Boom(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 2:
-                raise RuntimeError("boom at step 2")
+                raised_at["t"] = time.monotonic()
+                raise error("boom at step 2")
 
     trainer = AsyncGRPOTrainer(
         model=tiny_model_dir,
@@ -199,9 +209,36 @@ def test_exception_in_training_leaves_no_worker_behind(tmp_path, tiny_model_dir)
         train_dataset=text_dataset(),
         callbacks=[Boom()],
     )
-    with pytest.raises(RuntimeError, match="boom at step 2"):
+    with pytest.raises(error, match="boom at step 2"):
         trainer.train()
+    assert time.monotonic() - raised_at["t"] < 10  # everything released within 10 s
     assert not any(p.is_alive() for p in trainer.last_rollout_pool.processes) and no_rollout_children()
+    assert not [
+        t.name for t in threading.enumerate() if t.name.startswith("trl_async") and t.name not in threads_before
+    ]
+    assert set(os.listdir("/dev/shm")) - shm_before == set()
+
+
+def test_a_worker_killed_during_training_is_restarted_and_training_completes(tmp_path, tiny_model_dir):
+    killed = []
+
+    class Kill(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                proc = trainer.rollout_pool.processes[0]
+                os.kill(proc.pid, signal.SIGKILL)
+                killed.append(proc)
+
+    args = async_args(tmp_path, max_steps=6, max_staleness=1, rollout_max_restarts=1)
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir, reward_funcs=letter_reward, args=args, train_dataset=text_dataset(), callbacks=[Kill()]
+    )
+    trainer.train()
+    pool = trainer.last_rollout_pool
+    assert trainer.state.global_step == 6 and pool.worker_restarts == 1 and not killed[0].is_alive()
+    assert max(trained_staleness(trainer)) <= 1
+    assert max(h.get("async/worker_restarts", 0) for h in trainer.state.log_history) == 1
+    assert not any(p.is_alive() for p in pool.processes) and no_rollout_children()
 
 
 def test_worker_weights_equal_the_trainer_weights_after_the_last_sync(tmp_path, tiny_model_dir):

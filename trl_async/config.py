@@ -84,6 +84,29 @@ class AsyncFields:
             "for (includes worker start-up for the first batch)."
         },
     )
+    rollout_max_restarts: int = field(
+        default=3,
+        metadata={
+            "help": "How many times a lost rollout worker (killed, crashed or hung) is restarted with the current "
+            "weights before training stops with an error. Its in-flight groups are generated again. 0 = fail at "
+            "the first loss."
+        },
+    )
+    rollout_heartbeat_timeout_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "A rollout worker that sends no heartbeat (every 0.5 s) for this long is treated as hung "
+            "(e.g. stopped): it is killed, then restarted or reported."
+        },
+    )
+    rollout_trajectory_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "Append every consumed completion to this JSONL file (relative paths are under output_dir; one "
+            "file per process under multi-process training, suffixed .rank<N>): prompt, completion, each reward "
+            "function's value, advantage, staleness and per-token versions, for auditing a run."
+        },
+    )
     off_policy_correction: Literal["decoupled", "tis", "mask", "seq_tis", "seq_mask", "none"] = field(
         default="decoupled",
         metadata={
@@ -187,6 +210,12 @@ class AsyncFields:
         )
         need(self.weight_sync_bucket_mb > 0, "weight_sync_bucket_mb", "set a positive size in MB")
         need(self.rollout_timeout_s > 0, "rollout_timeout_s", "set a positive number of seconds")
+        need(self.rollout_max_restarts >= 0, "rollout_max_restarts", "set 0 or more (0: fail at the first loss)")
+        need(
+            self.rollout_heartbeat_timeout_s >= 2.0,
+            "rollout_heartbeat_timeout_s",
+            "set 2 seconds or more (workers beat every 0.5 s; a busy machine delays beats)",
+        )
         need(
             self.off_policy_correction in OFF_POLICY_CORRECTIONS,
             "off_policy_correction",

@@ -12,22 +12,24 @@ reward function surfaces as an exception on the main thread, never as a hang.
 
 from __future__ import annotations
 
-import contextlib
-import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from queue import Empty
+from multiprocessing.connection import wait as wait_for_messages
 
 import torch
+from transformers.utils import logging
 
 from .prompts import PromptStream
 from .records import RolloutGroup, RolloutTask, WeightsAdopted, WorkerFailed, WorkerReady
 from .staleness import max_groups_admitted, staleness
 from .weights import Digest, SharedMemoryWeights
-from .worker import WorkerSpec, worker_main
+from .worker import WorkerSpec
+from .worker_process import WorkerProcess
+
+logger = logging.get_logger(__name__)
 
 
 class RolloutWorkerError(RuntimeError):
@@ -53,6 +55,8 @@ class PoolSettings:
     start_version: int  # trainer version when the pool starts (0, or the resumed global step)
     verify_weights: bool
     groups_per_call: int = 1  # most groups handed to a worker at once (one generate call)
+    max_restarts: int = 3  # per worker: a lost worker is restarted this many times, then the pool fails
+    heartbeat_timeout_s: float = 10.0  # a worker silent this long is hung: killed, then restarted or reported
 
 
 @dataclass
@@ -64,21 +68,6 @@ class TakeStats:
     wait_s: float
     dropped_samples_total: int
     gen_tokens_per_s: float
-
-
-@contextlib.contextmanager
-def _no_main_reimport():
-    """Spawned children re-import the parent's ``__main__`` by default, which re-runs an unguarded user script (no
-    ``if __name__ == "__main__"``). Workers need nothing from ``__main__``, so hide it while starting them."""
-    main = sys.modules["__main__"]
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__dict__["__spec__"] = None
-    try:
-        yield
-    finally:
-        main.__dict__.pop("__spec__", None)
-        main.__dict__.update(saved)
 
 
 class RolloutPool:
@@ -97,8 +86,6 @@ class RolloutPool:
         self._score_group = score_group
         self._ctx = torch.multiprocessing.get_context("spawn")
         self._weights = SharedMemoryWeights(weight_specs, self._ctx)
-        self._task_queue = self._ctx.Queue()
-        self._result_queue = self._ctx.Queue()
         self._cv = threading.Condition()
         self._stop = False
         self._error: BaseException | None = None
@@ -112,6 +99,8 @@ class RolloutPool:
         self.dropped_groups = 0
         self.verified_adoptions = 0
         self.worker_versions: dict[int, int] = {}
+        self.worker_restarts = 0
+        self.lost_workers: list[str] = []  # why each lost worker was lost
         self._tokens_since_take = 0
         self._last_take_end = time.perf_counter()
         # (kind, worker id or -1 for the trainer, start, end) in time.time(): "generate" calls, "score" (one group's
@@ -120,17 +109,7 @@ class RolloutPool:
         self.activity: deque[tuple[str, int, float, float]] = deque(maxlen=100_000)
         self._last_call: dict[int, float] = {}
 
-        self._processes = []
-        with _no_main_reimport():
-            for spec in specs:
-                proc = self._ctx.Process(
-                    target=worker_main,
-                    args=(spec, self._weights, self._task_queue, self._result_queue),
-                    name=f"trl_async-rollout-{spec.worker_id}",
-                    daemon=True,
-                )
-                proc.start()
-                self._processes.append(proc)
+        self._workers = [WorkerProcess.start(self._ctx, spec, self._weights) for spec in specs]
         self._threads = [
             threading.Thread(target=self._guard(self._dispatch_loop), name="trl_async-dispatch", daemon=True),
             threading.Thread(target=self._guard(self._collect_loop), name="trl_async-collect", daemon=True),
@@ -186,7 +165,7 @@ class RolloutPool:
                         f"waited {self.settings.timeout_s:.0f}s (rollout_timeout_s) for {n - len(taken)} more rollout "
                         f"groups at trainer version {consumer_version}; published version {self._published}, "
                         f"admitted {self._admitted}, consumed {self._consumed}, worker versions "
-                        f"{self.worker_versions}, workers alive {[p.is_alive() for p in self._processes]}"
+                        f"{self.worker_versions}, workers alive {[w.process.is_alive() for w in self._workers]}"
                     )
                 self._cv.wait(timeout=0.2)
             self._consumed += n
@@ -210,27 +189,21 @@ class RolloutPool:
         with self._cv:
             self._stop = True
             self._cv.notify_all()
-        for _ in self._processes:
-            with contextlib.suppress(Exception):
-                self._task_queue.put(None)
-        deadline = time.monotonic() + timeout_s
-        for proc in self._processes:  # the collector keeps draining results meanwhile, so no worker blocks on put
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self._processes:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-        with self._cv:
-            self._cv.notify_all()
-        for t in self._threads:
+        for t in self._threads:  # the collector stops reading; workers blocked on a full pipe are killed below
             t.join(5)
-        for q in (self._task_queue, self._result_queue):
-            q.cancel_join_thread()
-            q.close()
+        deadline = time.monotonic() + timeout_s
+        for w in self._workers:
+            w.stop(max(0.0, deadline - time.monotonic()))
 
     @property
     def processes(self) -> list:
-        return list(self._processes)
+        """The current worker processes (a restarted worker's new process replaces the lost one)."""
+        return [w.process for w in self._workers]
+
+    def outstanding(self, worker_id: int) -> list[RolloutTask]:
+        """Groups handed to a worker and not yet returned (for tests and diagnostics)."""
+        with self._cv:
+            return list(self._workers[worker_id].outstanding.values())
 
     @property
     def admitted(self) -> int:
@@ -272,48 +245,114 @@ class RolloutPool:
     def _dispatch_loop(self) -> None:
         """Admit groups as admission control allows and hand them to the workers in chunks of up to
         ``groups_per_call`` (one task message per generate call: a worker handed single groups as they were admitted
-        would start a generate call per group, several times slower per group on CPU)."""
+        would start a generate call per group, several times slower per group on CPU). A worker holds at most two
+        chunks (the one it generates and the next), so each worker's outstanding groups are known exactly."""
+        per_call = self.settings.groups_per_call
+
+        def free_worker() -> WorkerProcess | None:
+            room = [w for w in self._workers if len(w.outstanding) + per_call <= 2 * per_call]
+            return min(room, key=lambda w: len(w.outstanding)) if room else None
+
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._stop or self._error or self._admitted < self._admission_limit())
+                self._cv.wait_for(
+                    lambda: (
+                        self._stop
+                        or self._error
+                        or (self._admitted < self._admission_limit() and free_worker() is not None)
+                    )
+                )
                 if self._stop or self._error:
                     return
-                n = min(self.settings.groups_per_call, self._admission_limit() - self._admitted)
+                worker = free_worker()
+                n = min(per_call, self._admission_limit() - self._admitted)
                 self._admitted += n
-                group_ids, version = range(self._next_group_id, self._next_group_id + n), self._published
-                self._next_group_id += n
-            chunk = []
-            for group_id in group_ids:
-                index = self._prompts.next_index()
-                chunk.append(RolloutTask(group_id, index, self._tokenize_row(index), version))
-            self._task_queue.put(chunk)
+                version = self._published
+                chunk = []
+                for _ in range(n):
+                    index = self._prompts.next_index()
+                    chunk.append(RolloutTask(self._next_group_id, index, self._tokenize_row(index), version))
+                    self._next_group_id += 1
+                try:  # small messages, at most two chunks per worker in its pipe: this never blocks
+                    worker.send(chunk)
+                except OSError:  # the worker is gone; the monitor regenerates what it held
+                    pass
 
     def _collect_loop(self) -> None:
-        while True:
-            try:
-                msg = self._result_queue.get(timeout=0.1)
-            except Empty:
-                if self._stop and not any(p.is_alive() for p in self._processes):
-                    return
-                continue
-            if isinstance(msg, RolloutGroup):
-                if self._last_call.get(msg.worker_id) != msg.generate_started_at:  # one entry per call, not group
-                    self._last_call[msg.worker_id] = msg.generate_started_at
-                    end = msg.generate_started_at + msg.generate_s
-                    self.activity.append(("generate", msg.worker_id, msg.generate_started_at, end))
-                scoring_started = time.time()
-                scored = self._score_group(msg)
-                self.activity.append(("score", msg.worker_id, scoring_started, time.time()))
-                with self._cv:
-                    self._ready.append(scored)
-                    self._tokens_since_take += msg.num_tokens
-                    self._cv.notify_all()
-            elif isinstance(msg, WeightsAdopted):
-                self._on_adopted(msg)
-            elif isinstance(msg, WorkerFailed):
-                raise RolloutWorkerError(f"rollout worker {msg.worker_id} failed:\n{msg.error}")
-            elif isinstance(msg, WorkerReady):
-                pass
+        """Receive worker messages, score finished groups, and watch the workers (exit, heartbeat)."""
+        while not self._stop:
+            by_conn = {w.results: w for w in self._workers}
+            for conn in wait_for_messages(list(by_conn), timeout=0.1):
+                self._drain(by_conn[conn])
+            self._check_health()
+
+    def _drain(self, worker: WorkerProcess) -> None:
+        """Handle every message waiting in a worker's pipe (an exited worker's last words included)."""
+        try:
+            while worker.results.poll():
+                self._handle(worker, worker.results.recv())
+        except (EOFError, OSError):  # it exited or died; the health check deals with it
+            pass
+
+    def _handle(self, worker: WorkerProcess, msg) -> None:
+        if isinstance(msg, RolloutGroup):
+            with self._cv:
+                if worker.outstanding.pop(msg.group_id, None) is None:
+                    return  # not (or no longer) ours: already regenerated elsewhere
+            if self._last_call.get(msg.worker_id) != msg.generate_started_at:  # one entry per call, not group
+                self._last_call[msg.worker_id] = msg.generate_started_at
+                end = msg.generate_started_at + msg.generate_s
+                self.activity.append(("generate", msg.worker_id, msg.generate_started_at, end))
+            scoring_started = time.time()
+            scored = self._score_group(msg)
+            self.activity.append(("score", msg.worker_id, scoring_started, time.time()))
+            with self._cv:
+                self._ready.append(scored)
+                self._tokens_since_take += msg.num_tokens
+                self._cv.notify_all()
+        elif isinstance(msg, WeightsAdopted):
+            self._on_adopted(msg)
+        elif isinstance(msg, WorkerFailed):
+            raise RolloutWorkerError(f"rollout worker {msg.worker_id} failed:\n{msg.error}")
+        elif isinstance(msg, WorkerReady):
+            pass
+
+    def _check_health(self) -> None:
+        now = time.time()
+        for i, w in enumerate(self._workers):
+            if self._stop:
+                return
+            if not w.process.is_alive():
+                self._drain(w)  # a WorkerFailed report raises here, before any restart
+                self._replace(i, f"exited with code {w.process.exitcode}")
+            elif w.silent_for(now) > self.settings.heartbeat_timeout_s:
+                silent = w.silent_for(now)
+                self._replace(i, f"sent no heartbeat for {silent:.1f}s (hung or stopped; killed)")
+
+    def _replace(self, i: int, why: str) -> None:
+        """A worker is lost: its outstanding groups go back to admission (their prompts first in line), and it is
+        restarted with the newest weights, or the pool fails once ``max_restarts`` is used up."""
+        lost = self._workers[i]
+        lost.kill()
+        with self._cv:
+            for task in reversed(list(lost.outstanding.values())):
+                self._prompts.push_front(task.prompt_index)
+            self._admitted -= len(lost.outstanding)
+            regenerated = len(lost.outstanding)
+            lost.outstanding.clear()
+            what = f"rollout worker {lost.worker_id} (pid {lost.process.pid}) {why}"
+            self.lost_workers.append(what)
+            if lost.restarts >= self.settings.max_restarts:
+                self._error = RolloutWorkerError(
+                    f"{what}; it was already restarted {lost.restarts} time(s) (rollout_max_restarts="
+                    f"{self.settings.max_restarts})"
+                )
+                self._cv.notify_all()
+                return
+            self._workers[i] = WorkerProcess.start(self._ctx, lost.spec, self._weights, restarts=lost.restarts + 1)
+            self.worker_restarts += 1
+            self._cv.notify_all()
+        logger.warning("%s; restarted it, %d group(s) it held will be generated again", what, regenerated)
 
     def _on_adopted(self, msg: WeightsAdopted) -> None:
         with self._cv:
@@ -330,10 +369,3 @@ class RolloutPool:
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise self._error
-        for i, proc in enumerate(self._processes):
-            if not proc.is_alive() and not self._stop:
-                # give the collector a moment to deliver the worker's own report, which is more useful
-                self._cv.wait(timeout=1.0)
-                if self._error is not None:
-                    raise self._error
-                raise RolloutWorkerError(f"rollout worker {i} (pid {proc.pid}) exited with code {proc.exitcode}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import datetime
 import math
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ from .prompts import PromptStream
 from .records import RolloutGroup
 from .rollout_pool import PoolSettings, RolloutPool, ScoredGroup
 from .scoring import RewardScorer, decode_completions
+from .trajectories import append_jsonl, trajectory_records
 from .weight_sync import iter_policy_buckets, policy_specs
 from .worker import WorkerSpec
 
@@ -206,6 +208,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
             start_version=start_version,
             verify_weights=a.rollout_verify_weights,
             groups_per_call=self._rollout_batch_groups,
+            max_restarts=a.rollout_max_restarts,
+            heartbeat_timeout_s=a.rollout_heartbeat_timeout_s,
         )
         prompts = PromptStream(
             len(self.train_dataset),
@@ -337,6 +341,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         finally:
             self._consuming = None
         self._add_off_policy_inputs(output)
+        if self.async_args.rollout_trajectory_file:
+            self._log_trajectories(local, output["advantages"])
         metrics = self._metrics["train"]
         metrics["async/staleness_mean"].append(sum(stats.staleness) / len(stats.staleness))
         metrics["async/staleness_max"].append(max(stats.staleness))
@@ -346,6 +352,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         metrics["async/trainer_wait_s"].append(stats.wait_s)
         metrics["async/dropped_stale"].append(stats.dropped_samples_total)
         metrics["async/gen_tokens_per_s"].append(stats.gen_tokens_per_s)
+        # reward functions that returned None/NaN: GRPOTrainer ignores those values (nansum), we count them
+        metrics["async/reward_nan"].append(sum(int(torch.isnan(g.rewards).sum()) for g in groups))
+        metrics["async/worker_restarts"].append(self._pool.worker_restarts if self._pool is not None else 0)
         self._live = {
             "reward": metrics["reward"][-1] if metrics.get("reward") else float("nan"),
             "staleness": sum(stats.staleness) / len(stats.staleness),
@@ -386,6 +395,20 @@ class AsyncGRPOTrainer(GRPOTrainer):
             if j == 0:
                 for name, values in g.metrics.items():
                     self._pending_metrics[name].extend(values)
+
+    def _log_trajectories(self, rows, advantages: torch.Tensor) -> None:
+        path = Path(self.args.output_dir) / self.async_args.rollout_trajectory_file  # an absolute path stays as is
+        if self.accelerator.num_processes > 1:
+            path = path.with_name(f"{path.name}.rank{self.accelerator.process_index}")
+        records = trajectory_records(
+            rows,
+            advantages.flatten().tolist() if advantages.dim() == 1 else advantages[:, 0].tolist(),
+            self.state.global_step,
+            self.reward_func_names,
+            self.processing_class,
+            self.train_dataset,
+        )
+        append_jsonl(path, records)
 
     # ---- off-policy correction -----------------------------------------------------------------------------------
     def _add_off_policy_inputs(self, output: dict) -> None:

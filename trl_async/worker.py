@@ -9,8 +9,10 @@ records and the weight transport.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -144,8 +146,20 @@ def build_policy_copy(spec: WorkerSpec) -> torch.nn.Module:
     return model.to(device=spec.device, dtype=spec.dtype).eval()
 
 
-def worker_main(spec: WorkerSpec, weights: SharedMemoryWeights, task_queue, result_queue) -> None:
-    """Process entry point. Stops on a ``None`` task; reports any exception as ``WorkerFailed`` and exits."""
+HEARTBEAT_INTERVAL_S = 0.5
+
+
+def _beat(heartbeat) -> None:
+    while True:  # a stopped (SIGSTOP) or wedged process stops beating; the trainer notices
+        heartbeat.value = time.time()
+        time.sleep(HEARTBEAT_INTERVAL_S)
+
+
+def worker_main(spec: WorkerSpec, weights: SharedMemoryWeights, tasks, results, heartbeat) -> None:
+    """Process entry point. ``tasks``/``results`` are this worker's own pipe ends (a killed worker cannot corrupt
+    another worker's channel); ``heartbeat`` is a shared double it refreshes every ``HEARTBEAT_INTERVAL_S``. Stops on
+    a ``None`` task; reports any exception as ``WorkerFailed`` and exits."""
+    threading.Thread(target=_beat, args=(heartbeat,), name="trl_async-heartbeat", daemon=True).start()
     try:
         torch.set_num_threads(spec.torch_threads)
         torch.manual_seed(spec.seed)
@@ -160,21 +174,21 @@ def worker_main(spec: WorkerSpec, weights: SharedMemoryWeights, task_queue, resu
             if new_version is not None:
                 state["version"] = new_version
                 digest = weights_digest(params.items()) if spec.verify_weights else None
-                result_queue.put(WeightsAdopted(spec.worker_id, new_version, digest))
+                results.send(WeightsAdopted(spec.worker_id, new_version, digest))
 
         while weights.version < 0:  # the trainer publishes right after starting the workers
             time.sleep(0.01)
         adopt()
-        result_queue.put(WorkerReady(spec.worker_id, os.getpid()))
+        results.send(WorkerReady(spec.worker_id, os.getpid()))
         in_flight = adopt if spec.weight_update == "decode_step" else None
         while True:
-            tasks = task_queue.get()  # a chunk of admitted groups (one generate call), or None to stop
-            if tasks is None:
+            chunk = tasks.recv()  # admitted groups for one generate call, or None to stop
+            if chunk is None:
                 return
             adopt()
             for group in generate_groups(
                 model,
-                tasks,
+                chunk,
                 spec.generation_config,
                 spec.num_generations,
                 spec.eos_token_ids,
@@ -183,6 +197,9 @@ def worker_main(spec: WorkerSpec, weights: SharedMemoryWeights, task_queue, resu
                 between_steps=in_flight,
                 worker_id=spec.worker_id,
             ):
-                result_queue.put(group)
+                results.send(group)
+    except (EOFError, BrokenPipeError):
+        return  # the trainer closed our pipe: it is shutting down or has given up on us
     except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
-        result_queue.put(WorkerFailed(spec.worker_id, traceback.format_exc()))
+        with contextlib.suppress(Exception):
+            results.send(WorkerFailed(spec.worker_id, traceback.format_exc()))

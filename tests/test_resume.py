@@ -1,0 +1,58 @@
+"""Checkpoint and resume: N steps straight vs N/2, resume from the checkpoint, N/2 more."""
+
+from transformers import TrainerCallback
+
+from trl_async import AsyncGRPOTrainer
+
+from .test_trainer import async_args, letter_reward, no_rollout_children, text_dataset
+
+
+class RecordingTrainer(AsyncGRPOTrainer):
+    """Records, per optimizer step, the prompts consumed and the oldest token version among them."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.consumed: list[tuple[int, list[int], int]] = []  # (step, prompt indices, oldest token version)
+
+    def _forward_reward_logs(self, rows):
+        groups = [g.group for g, j in rows if j == 0]
+        oldest = min(min(g.token_versions) for g in groups)
+        self.consumed.append((self.state.global_step, [g.prompt_index for g in groups], oldest))
+        return super()._forward_reward_logs(rows)
+
+
+def _train(model_dir, out, stop_at=None, resume=None):
+    args = async_args(out, max_steps=4, max_staleness=1, save_strategy="steps", save_steps=2, seed=3)
+    trainer = RecordingTrainer(model=model_dir, reward_funcs=letter_reward, args=args, train_dataset=text_dataset(12))
+    if stop_at is not None:  # stop after the checkpoint at step 2, as a pre-empted job would
+
+        class StopAt(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == stop_at:
+                    control.should_training_stop = True
+
+        trainer.add_callback(StopAt())
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def test_resume_consumes_the_same_prompts_with_continuous_versions(tmp_path, tiny_model_dir):
+    straight = _train(tiny_model_dir, tmp_path / "straight")
+    first = _train(tiny_model_dir, tmp_path / "split", stop_at=2)
+    checkpoint = tmp_path / "split" / "checkpoint-2"
+    assert checkpoint.is_dir()
+    second = _train(tiny_model_dir, tmp_path / "split", resume=str(checkpoint))
+
+    assert [s for s, _, _ in straight.consumed] == [0, 1, 2, 3]
+    assert [s for s, _, _ in first.consumed] == [0, 1] and [s for s, _, _ in second.consumed] == [2, 3]
+    resumed = first.consumed + second.consumed
+    # the same prompts, in the same steps: nothing retrained, nothing skipped
+    assert [p for _, p, _ in resumed] == [p for _, p, _ in straight.consumed]
+    assert len({tuple(p) for _, p, _ in straight.consumed}) == 4  # steps see different prompts: a real check
+    # versions continue from the checkpoint: the resumed run only trains on tokens from versions >= 2 (its own
+    # weights) and never on anything older than max_staleness
+    assert all(oldest >= 2 for _, _, oldest in second.consumed)
+    assert all(step - oldest <= 1 for step, _, oldest in resumed)
+    assert second.state.global_step == 4 and no_rollout_children()
+    logs = [h for h in second.state.log_history if "async/staleness_max" in h]
+    assert logs and max(h["async/staleness_max"] for h in logs) <= 1

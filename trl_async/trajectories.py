@@ -1,0 +1,52 @@
+"""An audit trail of what was trained on: one JSON line per completion consumed.
+
+Each line: optimizer ``step``, ``group_id``, ``worker_id``, ``prompt_index``, ``prompt`` (the dataset's prompt, text
+or messages), ``completion`` (decoded text), ``rewards`` (every reward function's value, ``null`` for None/NaN),
+``advantage``, ``staleness``, and ``versions`` (the policy version of each completion token). Generated text is
+written as data only; nothing here interprets it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def trajectory_records(
+    rows: Sequence, advantages: Sequence[float], step: int, reward_names: Sequence[str], tokenizer, dataset
+) -> list[dict]:
+    """``rows`` are ``(ScoredGroup, completion index)`` pairs in batch order, ``advantages`` one value per row."""
+    if len(rows) != len(advantages):
+        raise ValueError(f"{len(rows)} rows but {len(advantages)} advantages")
+    records = []
+    for (scored, j), advantage in zip(rows, advantages, strict=True):
+        group = scored.group
+        rewards = {
+            name: (None if math.isnan(v) else v)
+            for name, v in zip(reward_names, scored.rewards[j].tolist(), strict=True)
+        }
+        records.append(
+            {
+                "step": step,
+                "group_id": group.group_id,
+                "worker_id": group.worker_id,
+                "prompt_index": group.prompt_index,
+                "prompt": dataset[group.prompt_index]["prompt"],
+                "completion": tokenizer.decode(list(group.completion_ids[j]), skip_special_tokens=True),
+                "rewards": rewards,
+                "advantage": float(advantage),
+                "staleness": scored.staleness,
+                "versions": list(group.versions[j]),
+            }
+        )
+    return records
+
+
+def append_jsonl(path: str | Path, records: Sequence[dict]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -1,0 +1,100 @@
+"""One rollout worker process as the trainer sees it: start, channels, heartbeat, what it holds, stop.
+
+Each worker gets its own pipes (tasks in, results out) rather than shared queues: a worker killed while writing can
+leave a half-written message or a held lock in its channel, and with private channels that damage dies with it.
+``outstanding`` is every group sent to the worker and not yet returned, so a lost worker's groups can be generated
+again (by someone else, under new group ids) without loss or duplication.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import time
+from dataclasses import dataclass, field
+
+from .records import RolloutTask
+from .weights import SharedMemoryWeights
+from .worker import WorkerSpec, worker_main
+
+STARTUP_GRACE_S = 120.0  # a starting worker imports torch and builds its model before its first heartbeat
+
+
+@contextlib.contextmanager
+def _no_main_reimport():
+    """Spawned children re-import the parent's ``__main__`` by default, which re-runs an unguarded user script (no
+    ``if __name__ == "__main__"``). Workers need nothing from ``__main__``, so hide it while starting them."""
+    main = sys.modules["__main__"]
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__dict__["__spec__"] = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
+@dataclass(eq=False)
+class WorkerProcess:
+    spec: WorkerSpec
+    process: object
+    tasks: object  # Connection: trainer -> worker
+    results: object  # Connection: worker -> trainer
+    heartbeat: object  # shared double, time.time() of the worker's last beat
+    restarts: int = 0
+    outstanding: dict[int, RolloutTask] = field(default_factory=dict)  # group id -> task, in dispatch order
+
+    @classmethod
+    def start(cls, ctx, spec: WorkerSpec, weights: SharedMemoryWeights, restarts: int = 0) -> WorkerProcess:
+        task_recv, task_send = ctx.Pipe(duplex=False)
+        result_recv, result_send = ctx.Pipe(duplex=False)
+        heartbeat = ctx.Value("d", time.time() + STARTUP_GRACE_S, lock=False)
+        if restarts:  # a fresh random stream, not a replay of the dead worker's
+            spec = dataclasses.replace(spec, seed=spec.seed + 7919 * restarts)
+        process = ctx.Process(
+            target=worker_main,
+            args=(spec, weights, task_recv, result_send, heartbeat),
+            name=f"trl_async-rollout-{spec.worker_id}",
+            daemon=True,
+        )
+        with _no_main_reimport():
+            process.start()
+        task_recv.close()  # the child holds its own copies; closing ours lets EOF reach the other side
+        result_send.close()
+        return cls(spec, process, task_send, result_recv, heartbeat, restarts)
+
+    @property
+    def worker_id(self) -> int:
+        return self.spec.worker_id
+
+    def silent_for(self, now: float) -> float:
+        """Seconds since the last heartbeat (negative during the start-up grace)."""
+        return now - self.heartbeat.value
+
+    def send(self, chunk: list[RolloutTask]) -> None:
+        for task in chunk:
+            self.outstanding[task.group_id] = task
+        self.tasks.send(chunk)
+
+    def stop(self, timeout_s: float) -> None:
+        """Ask the worker to exit; kill it if it has not after ``timeout_s``. Messages it still sends are discarded
+        (so it never blocks on a full pipe). Closes the channels."""
+        with contextlib.suppress(Exception):
+            self.tasks.send(None)
+        deadline = time.monotonic() + timeout_s
+        while self.process.is_alive() and time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                while self.results.poll():
+                    self.results.recv()
+            self.process.join(0.05)
+        self.kill()
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(5)
+        for conn in (self.tasks, self.results):
+            with contextlib.suppress(Exception):
+                conn.close()
