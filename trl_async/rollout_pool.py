@@ -212,6 +212,13 @@ class RolloutPool:
             return self._admitted
 
     @property
+    def in_flight(self) -> int:
+        """Groups admitted and not yet consumed: queued, being generated or scored, or ready (bounded by
+        ``queue_size``)."""
+        with self._cv:
+            return self._admitted - self._consumed
+
+    @property
     def ready_count(self) -> int:
         """Scored groups waiting for the trainer."""
         with self._cv:

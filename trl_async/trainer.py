@@ -89,6 +89,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 "AsyncGRPOTrainer generates in its own rollout workers: leave `use_vllm=False` and choose the engine "
                 "with `AsyncGRPOConfig.rollout_backend`."
             )
+        if train_dataset is not None and not isinstance(train_dataset, IterableDataset) and len(train_dataset) == 0:
+            raise ValueError("train_dataset is empty: AsyncGRPOTrainer needs at least one prompt to generate from.")
         if isinstance(train_dataset, IterableDataset):
             raise NotImplementedError(
                 "AsyncGRPOTrainer needs a map-style `train_dataset` (rollout workers read prompts ahead of the trainer "
@@ -149,6 +151,14 @@ class AsyncGRPOTrainer(GRPOTrainer):
             raise ValueError(
                 f"AsyncGRPOConfig.rollout_device={self.async_args.rollout_device!r} but CUDA is not available; "
                 "use rollout_device='cpu'."
+            )
+        model = self.accelerator.unwrap_model(self.model)
+        vocab = getattr(model.config, "vocab_size", None)
+        if vocab is not None and len(self.processing_class) > vocab:
+            raise ValueError(
+                f"the tokenizer has {len(self.processing_class)} tokens but the model's vocabulary has {vocab}: token "
+                "ids past the embedding table would crash generation. Pass the model's own tokenizer, or call "
+                "model.resize_token_embeddings(len(tokenizer)) before building the trainer."
             )
         if self.args.use_transformers_continuous_batching:
             logger.warning("use_transformers_continuous_batching is ignored: rollout workers use `generate`.")
@@ -276,8 +286,22 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def _make_tokenize_row(self):
         tokenizer = copy.deepcopy(self.processing_class)
         dataset, chat_template, template_kwargs = self.train_dataset, self.chat_template, self.chat_template_kwargs
+        config = self.accelerator.unwrap_model(self.model).config
+        limit = getattr(config, "max_position_embeddings", None)
+        completion = self.max_completion_length
 
         def tokenize_row(index: int) -> tuple[int, ...]:
+            ids = _tokenize(index)
+            if limit is not None and len(ids) + completion > limit:
+                # checked as each prompt is first used (tokenizing a whole dataset up front would be slow)
+                raise ValueError(
+                    f"train_dataset row {index}: the prompt is {len(ids)} tokens, and with max_completion_length="
+                    f"{completion} that exceeds the model's max_position_embeddings={limit}. Filter long prompts "
+                    "out of the dataset or lower max_completion_length."
+                )
+            return ids
+
+        def _tokenize(index: int) -> tuple[int, ...]:
             prompt = dataset[index]["prompt"]
             if is_conversational({"prompt": prompt}):
                 out = tokenizer.apply_chat_template(

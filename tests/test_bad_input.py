@@ -1,0 +1,44 @@
+"""Bad input fails early with a message that names the problem and the fix (or takes a documented fallback)."""
+
+import pytest
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trl_async import AsyncGRPOTrainer
+from trl_async.tiny import build_char_tokenizer, build_tiny_model
+
+from .test_trainer import async_args, letter_reward, no_rollout_children, text_dataset
+
+
+def test_empty_dataset_fails_at_construction(tmp_path, tiny_model_dir):
+    with pytest.raises(ValueError, match="train_dataset is empty"):
+        AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=letter_reward, args=async_args(tmp_path),
+                         train_dataset=Dataset.from_list([]))  # fmt: skip
+
+
+def test_tokenizer_larger_than_the_model_vocabulary_fails_at_construction(tmp_path):
+    tokenizer = build_char_tokenizer()
+    small = build_tiny_model(build_char_tokenizer("abc"))  # a model built for a 6-token vocabulary
+    with pytest.raises(ValueError, match=r"tokenizer has \d+ tokens but the model's vocabulary has 6.*resize_token"):
+        AsyncGRPOTrainer(model=small, reward_funcs=letter_reward, args=async_args(tmp_path),
+                         train_dataset=text_dataset(), processing_class=tokenizer)  # fmt: skip
+
+
+def test_prompt_longer_than_the_model_limit_is_named_not_a_crash_in_a_worker(tmp_path, tiny_model_dir):
+    rows = [{"prompt": "q" * 300 + ":", "letter": "a"}] + list(text_dataset(7))  # max_position_embeddings is 256
+    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=letter_reward, args=async_args(tmp_path),
+                               train_dataset=Dataset.from_list(rows))  # fmt: skip
+    with pytest.raises(ValueError, match=r"row 0: the prompt is 301 tokens.*max_position_embeddings=256"):
+        trainer.train()
+    assert no_rollout_children()
+
+
+def test_tokenizer_without_pad_token_falls_back_to_eos_as_grpo_does(tmp_path, tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.pad_token = None
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    trainer = AsyncGRPOTrainer(model=model, reward_funcs=letter_reward, args=async_args(tmp_path, max_steps=1),
+                               train_dataset=text_dataset(), processing_class=tokenizer)  # fmt: skip
+    assert trainer.processing_class.pad_token == tokenizer.eos_token  # GRPOTrainer's documented fallback
+    trainer.train()
+    assert trainer.state.global_step == 1
