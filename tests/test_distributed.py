@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,6 +41,19 @@ def test_two_process_training_syncs_exact_weights(tmp_path, tiny_model_dir, conf
     assert result["compared"] == result["expected"] - len(result["not_compared"]) >= 20
     assert result["verified_adoptions"] >= 2 and result["max_staleness_seen"] <= 1
     assert result["workers_alive"] == [False]
+    # every rank trains on one whole group of each step's global batch (2 groups), and its advantages are
+    # GRPOTrainer's group-normalised rewards, (r - mean) / (std + 1e-4), worked out here from the logged rewards
+    traj = {
+        r: [json.loads(x) for x in (tmp_path / "run" / f"traj.jsonl.rank{r}").read_text().splitlines()] for r in (0, 1)
+    }
+    for step in range(3):
+        rows = {r: [x for x in traj[r] if x["step"] == step] for r in (0, 1)}
+        groups = {r: {x["group_id"] for x in rows[r]} for r in (0, 1)}
+        assert len(rows[0]) == len(rows[1]) == 4 and len(groups[0]) == len(groups[1]) == 1 and groups[0] != groups[1]
+        for r in (0, 1):
+            rewards = torch.tensor([x["rewards"]["reward"] for x in rows[r]])
+            expected = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+            assert torch.allclose(torch.tensor([x["advantage"] for x in rows[r]]), expected, atol=1e-4)
 
 
 def test_a_rank_that_stops_arriving_is_named_not_waited_for_forever(tmp_path, tiny_model_dir):

@@ -43,6 +43,7 @@ def main():
         max_staleness=1,
         rollout_verify_weights=True,
         weight_sync_bucket_mb=0.05,  # several buckets even for the tiny model
+        rollout_trajectory_file="traj.jsonl",  # per rank: rewards and advantages of its rows, checked by the test
     )
     peft_config = None
     if cli.peft:
