@@ -115,3 +115,13 @@ def test_policy_copy_decodes_with_the_kv_cache_even_when_training_turned_it_off(
         model, [RolloutTask(0, 0, (5, 6, 7), 0)], config, 2, [tok.eos_token_id], tok.pad_token_id, lambda: 0
     )
     assert lengths == [3, 1, 1, 1, 1]  # prompt once, then one new token per step (no re-run of the whole sequence)
+
+
+def test_worker_module_imports_neither_trl_nor_the_trainer():
+    # a rollout worker process imports trl_async.worker; pulling in TRL/peft/the trainer there cost ~6 s per start
+    import subprocess
+    import sys
+
+    code = "import sys, trl_async.worker; print(sorted(m for m in ('trl', 'peft', 'trl_async.trainer') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
