@@ -19,6 +19,7 @@ benchmarks/README.md. The pipeline simulator (simulate.py) is validated against 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -131,19 +132,21 @@ class TimedGRPOTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         self.phases: list[tuple[str, float, float]] = []
 
-    def _generate_single_turn(self, *args, **kwargs):
+    @contextlib.contextmanager
+    def _phase(self, kind: str):
         start = time.time()
         try:
-            return super()._generate_single_turn(*args, **kwargs)
+            yield
         finally:
-            self.phases.append(("generate", start, time.time()))
+            self.phases.append((kind, start, time.time()))
+
+    def _generate_single_turn(self, *args, **kwargs):
+        with self._phase("generate"):
+            return super()._generate_single_turn(*args, **kwargs)
 
     def _calculate_rewards(self, *args, **kwargs):
-        start = time.time()
-        try:
+        with self._phase("reward"):
             return super()._calculate_rewards(*args, **kwargs)
-        finally:
-            self.phases.append(("reward", start, time.time()))
 
 
 def _overlap(intervals, lo: float, hi: float) -> float:
