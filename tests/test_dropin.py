@@ -106,7 +106,7 @@ def test_peft_lora_workers_receive_merged_weights(tmp_path, tiny_model_dir):
     # the published tensors for the last version are the merged model: compare with peft's own merge
     merged = trainer.model.merge_and_unload()
     for name, tensor in merged.named_parameters():
-        torch.testing.assert_close(pool._weights.tensors[name], tensor, rtol=0, atol=1e-6)
+        torch.testing.assert_close(pool.backend.weights.tensors[name], tensor, rtol=0, atol=1e-6)
 
 
 def test_eval_dataset_is_evaluated_with_current_weights(tmp_path, tiny_model_dir):

@@ -13,6 +13,7 @@ from trl_async.prompts import PromptStream
 from trl_async.rollout_pool import PoolSettings, RolloutPool, RolloutWorkerError, ScoredGroup
 from trl_async.tiny import build_char_tokenizer, build_tiny_model
 from trl_async.worker import WorkerSpec
+from trl_async.worker_process import ProcessBackend
 
 G = 2  # completions per group
 
@@ -55,7 +56,8 @@ def make_pool(
     prompts = PromptStream(rows, groups_per_batch, shuffle=False, seed=0)
     score = score or (lambda g: ScoredGroup(g, rewards=torch.zeros(G, 1)))
     weight_specs = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
-    pool = RolloutPool(specs, weight_specs, settings, prompts, lambda i: (5, 6, 7 + i), score)
+    backend = ProcessBackend(specs, weight_specs, settings.groups_per_call)
+    pool = RolloutPool(backend, settings, prompts, lambda i: (5, 6, 7 + i), score)
     pool.publish([list(model.named_parameters())], version=0)
     return pool, model
 

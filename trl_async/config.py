@@ -14,7 +14,8 @@ from typing import Literal
 import torch
 from trl import GRPOConfig
 
-ROLLOUT_BACKENDS = ("transformers",)  # "vllm" arrives with its own issue
+ROLLOUT_BACKENDS = ("transformers", "vllm")
+WEIGHT_TRANSPORTS = ("auto", "nccl", "gloo")
 WEIGHT_UPDATE_POINTS = ("batch", "decode_step")
 OFF_POLICY_CORRECTIONS = ("decoupled", "tis", "mask", "seq_tis", "seq_mask", "none")
 DEFAULT_CAPS = {"decoupled": 5.0}  # AReaL's behav_imp_weight_cap in its examples; 2.0 (verl/SkyRL TIS) otherwise
@@ -25,11 +26,40 @@ class AsyncFields:
     """The async-only settings. Three of them are the dials of async RL (DESIGN.md): ``max_staleness``,
     ``rollout_batch_groups`` and ``weight_sync_steps``."""
 
-    rollout_backend: Literal["transformers"] = field(
+    rollout_backend: Literal["transformers", "vllm"] = field(
         default="transformers",
         metadata={
-            "help": "Generation engine of the rollout workers. 'transformers': background processes that run "
-            "`model.generate` on their own copy of the policy."
+            "help": "Generation engine. 'transformers': background worker processes that run `model.generate` on "
+            "their own copy of the policy. 'vllm': running vLLM servers (`rollout_vllm_urls`), one lane per server."
+        },
+    )
+    rollout_vllm_urls: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "vLLM server URLs for rollout_backend='vllm' (several servers = more generation throughput behind "
+            "the same queue). Default: GRPOConfig's `vllm_server_base_url`, else http://vllm_server_host:"
+            "vllm_server_port. The trainer waits `vllm_server_timeout` seconds for them to be healthy."
+        },
+    )
+    rollout_vllm_weight_transport: Literal["auto", "nccl", "gloo"] = field(
+        default="auto",
+        metadata={
+            "help": "How weights reach the vLLM servers: 'nccl' (vLLM's NCCL weight-transfer engine, GPU servers), "
+            "'gloo' (the trl_async_gloo engine, CPU servers), 'auto' = nccl when the trainer runs on CUDA."
+        },
+    )
+    rollout_vllm_max_requests: int | None = field(
+        default=None,
+        metadata={
+            "help": "Most concurrent generate requests (one per group) per vLLM server. Default: rollout_queue_size "
+            "(every admitted group may be in flight; admission control already bounds it)."
+        },
+    )
+    rollout_vllm_retry_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "A vLLM request that fails to connect, times out or gets a 5xx is retried with backoff for this "
+            "long, then training stops with an error naming the server."
         },
     )
     num_rollout_workers: int = field(
@@ -69,11 +99,13 @@ class AsyncFields:
             "admission control allows, (max_staleness // steps_per_batch + 1) generation batches."
         },
     )
-    rollout_weight_update: Literal["batch", "decode_step"] = field(
-        default="batch",
+    rollout_weight_update: Literal["batch", "decode_step"] | None = field(
+        default=None,
         metadata={
-            "help": "When a worker adopts new weights: 'batch' between generate calls, or 'decode_step' between "
-            "decode steps (in-flight; one completion may then carry tokens of several versions)."
+            "help": "When generation adopts new weights: 'batch' between generate calls (vLLM: a push waits for "
+            "running requests to finish), or 'decode_step' between decode steps (in flight; a completion may then "
+            "carry tokens of several versions, each tagged with its own). Default: 'batch' for transformers "
+            "workers, 'decode_step' for vLLM servers."
         },
     )
     rollout_torch_threads: int = field(default=1, metadata={"help": "torch threads per rollout worker process."})
@@ -153,11 +185,34 @@ class AsyncFields:
             if not ok:
                 raise ValueError(f"AsyncGRPOConfig.{name}={getattr(self, name)!r} is invalid: {fix}")
 
+        need(self.rollout_backend in ROLLOUT_BACKENDS, "rollout_backend", f"choose one of {ROLLOUT_BACKENDS}")
         need(
-            self.rollout_backend in ROLLOUT_BACKENDS,
-            "rollout_backend",
-            f"choose one of {ROLLOUT_BACKENDS} (the 'vllm' backend is not available yet)",
+            self.rollout_vllm_weight_transport in WEIGHT_TRANSPORTS,
+            "rollout_vllm_weight_transport",
+            f"choose one of {WEIGHT_TRANSPORTS}",
         )
+        need(
+            self.rollout_vllm_urls is None
+            or (
+                isinstance(self.rollout_vllm_urls, (list, tuple))
+                and all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in self.rollout_vllm_urls)
+            ),
+            "rollout_vllm_urls",
+            "give a list of server URLs such as ['http://10.0.0.2:8000'], or None",
+        )
+        need(
+            self.rollout_vllm_max_requests is None or self.rollout_vllm_max_requests >= 1,
+            "rollout_vllm_max_requests",
+            "set it to 1 or more, or None for the default",
+        )
+        need(self.rollout_vllm_retry_s >= 0, "rollout_vllm_retry_s", "set 0 or more seconds")
+        if self.rollout_backend == "vllm":
+            need(
+                not self.rollout_verify_weights,
+                "rollout_verify_weights",
+                "weight hashing is for the transformers workers; with vLLM the greedy-output check in the tests "
+                "covers the push. Set it to False",
+            )
         need(
             isinstance(self.num_rollout_workers, int) and self.num_rollout_workers >= 1,
             "num_rollout_workers",
@@ -199,9 +254,9 @@ class AsyncFields:
             "set it to 1 or more, or None for the default",
         )
         need(
-            self.rollout_weight_update in WEIGHT_UPDATE_POINTS,
+            self.rollout_weight_update is None or self.rollout_weight_update in WEIGHT_UPDATE_POINTS,
             "rollout_weight_update",
-            f"choose one of {WEIGHT_UPDATE_POINTS}",
+            f"choose one of {WEIGHT_UPDATE_POINTS}, or None for the backend's default",
         )
         need(
             isinstance(self.rollout_torch_threads, int) and self.rollout_torch_threads >= 1,
@@ -235,6 +290,12 @@ class AsyncFields:
                 UserWarning,
                 stacklevel=3,
             )
+
+    @property
+    def resolved_weight_update(self) -> str:
+        if self.rollout_weight_update is not None:
+            return self.rollout_weight_update
+        return "decode_step" if self.rollout_backend == "vllm" else "batch"
 
     @property
     def resolved_importance_sampling_cap(self) -> float:

@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import wait as wait_for_messages
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.utils import logging
@@ -25,9 +26,11 @@ from transformers.utils import logging
 from .prompts import PromptStream
 from .records import RolloutGroup, RolloutTask, WeightsAdopted, WorkerFailed, WorkerReady
 from .staleness import max_groups_admitted, staleness
-from .weights import Digest, SharedMemoryWeights
-from .worker import WorkerSpec
-from .worker_process import WorkerProcess
+from .weights import Digest
+from .worker_process import ProcessBackend
+
+if TYPE_CHECKING:
+    from .vllm_backend import VLLMBackend
 
 logger = logging.get_logger(__name__)
 
@@ -73,8 +76,7 @@ class TakeStats:
 class RolloutPool:
     def __init__(
         self,
-        specs: list[WorkerSpec],
-        weight_specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        backend: ProcessBackend | VLLMBackend,
         settings: PoolSettings,
         prompts: PromptStream,
         tokenize_row: Callable[[int], tuple[int, ...]],
@@ -84,8 +86,7 @@ class RolloutPool:
         self._prompts = prompts
         self._tokenize_row = tokenize_row
         self._score_group = score_group
-        self._ctx = torch.multiprocessing.get_context("spawn")
-        self._weights = SharedMemoryWeights(weight_specs, self._ctx)
+        self.backend = backend
         self._cv = threading.Condition()
         self._stop = False
         self._error: BaseException | None = None
@@ -109,7 +110,7 @@ class RolloutPool:
         self.activity: deque[tuple[str, int, float, float]] = deque(maxlen=100_000)
         self._last_call: dict[int, float] = {}
 
-        self._workers = [WorkerProcess.start(self._ctx, spec, self._weights) for spec in specs]
+        self._workers = [backend.start_lane(i) for i in range(len(backend.specs))]
         self._threads = [
             threading.Thread(target=self._guard(self._dispatch_loop), name="trl_async-dispatch", daemon=True),
             threading.Thread(target=self._guard(self._collect_loop), name="trl_async-collect", daemon=True),
@@ -120,15 +121,15 @@ class RolloutPool:
     # ---- main thread -------------------------------------------------------------------------------------------
     @property
     def publish_target(self) -> dict[str, torch.Tensor]:
-        """Where the next ``publish`` writes (see ``SharedMemoryWeights.spare_tensors``)."""
-        return self._weights.spare_tensors
+        """Where the next ``publish`` writes in place (``SharedMemoryWeights.spare_tensors``), or ``None``."""
+        return self.backend.publish_target
 
     def publish(self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]], version: int) -> float:
         """Make the streamed tensors the weights of ``version`` (see ``SharedMemoryWeights.publish``); workers adopt
         them at their next safe point. Returns the seconds it took."""
         start = time.perf_counter()
         digest = Digest() if self.settings.verify_weights else None
-        self._weights.publish(buckets, version, digest)
+        self.backend.publish(buckets, version, digest)
         if digest is not None:
             self._expected_digests[version] = digest.hexdigest()
             for old in [v for v in self._expected_digests if v < version - 64]:  # bounded history
@@ -165,7 +166,7 @@ class RolloutPool:
                         f"waited {self.settings.timeout_s:.0f}s (rollout_timeout_s) for {n - len(taken)} more rollout "
                         f"groups at trainer version {consumer_version}; published version {self._published}, "
                         f"admitted {self._admitted}, consumed {self._consumed}, worker versions "
-                        f"{self.worker_versions}, workers alive {[w.process.is_alive() for w in self._workers]}"
+                        f"{self.worker_versions}, workers alive {[w.is_alive() for w in self._workers]}"
                     )
                 self._cv.wait(timeout=0.2)
             self._consumed += n
@@ -194,6 +195,7 @@ class RolloutPool:
         deadline = time.monotonic() + timeout_s
         for w in self._workers:
             w.stop(max(0.0, deadline - time.monotonic()))
+        self.backend.close()
 
     @property
     def processes(self) -> list:
@@ -256,8 +258,8 @@ class RolloutPool:
         chunks (the one it generates and the next), so each worker's outstanding groups are known exactly."""
         per_call = self.settings.groups_per_call
 
-        def free_worker() -> WorkerProcess | None:
-            room = [w for w in self._workers if len(w.outstanding) + per_call <= 2 * per_call]
+        def free_worker():
+            room = [w for w in self._workers if len(w.outstanding) + per_call <= w.max_outstanding]
             return min(room, key=lambda w: len(w.outstanding)) if room else None
 
         while True:
@@ -293,7 +295,7 @@ class RolloutPool:
                 self._drain(by_conn[conn])
             self._check_health()
 
-    def _drain(self, worker: WorkerProcess) -> None:
+    def _drain(self, worker) -> None:
         """Handle every message waiting in a worker's pipe (an exited worker's last words included)."""
         try:
             while worker.results.poll():
@@ -301,7 +303,7 @@ class RolloutPool:
         except (EOFError, OSError):  # it exited or died; the health check deals with it
             pass
 
-    def _handle(self, worker: WorkerProcess, msg) -> None:
+    def _handle(self, worker, msg) -> None:
         if isinstance(msg, RolloutGroup):
             with self._cv:
                 if worker.outstanding.pop(msg.group_id, None) is None:
@@ -329,12 +331,12 @@ class RolloutPool:
         for i, w in enumerate(self._workers):
             if self._stop:
                 return
-            if not w.process.is_alive():
+            if not w.is_alive():
                 self._drain(w)  # a WorkerFailed report raises here, before any restart
-                self._replace(i, f"exited with code {w.process.exitcode}")
+                self._replace(i, w.exit_reason())
             elif w.silent_for(now) > self.settings.heartbeat_timeout_s:
                 silent = w.silent_for(now)
-                self._replace(i, f"sent no heartbeat for {silent:.1f}s (hung or stopped; killed)")
+                self._replace(i, f"sent no heartbeat for {silent:.1f}s (hung, stopped or down; killed)")
 
     def _replace(self, i: int, why: str) -> None:
         """A worker is lost: its outstanding groups go back to admission (their prompts first in line), and it is
@@ -347,8 +349,12 @@ class RolloutPool:
             self._admitted -= len(lost.outstanding)
             regenerated = len(lost.outstanding)
             lost.outstanding.clear()
-            what = f"rollout worker {lost.worker_id} (pid {lost.process.pid}) {why}"
+            what = f"{lost.describe()} {why}"
             self.lost_workers.append(what)
+            if not self.backend.restartable:
+                self._error = RolloutWorkerError(f"{what}; it cannot be restarted from here")
+                self._cv.notify_all()
+                return
             if lost.restarts >= self.settings.max_restarts:
                 self._error = RolloutWorkerError(
                     f"{what}; it was already restarted {lost.restarts} time(s) (rollout_max_restarts="
@@ -356,7 +362,7 @@ class RolloutPool:
                 )
                 self._cv.notify_all()
                 return
-            self._workers[i] = WorkerProcess.start(self._ctx, lost.spec, self._weights, restarts=lost.restarts + 1)
+            self._workers[i] = self.backend.start_lane(i, restarts=lost.restarts + 1)
             self.worker_restarts += 1
             self._cv.notify_all()
         logger.warning("%s; restarted it, %d group(s) it held will be generated again", what, regenerated)

@@ -37,6 +37,7 @@ from .scoring import RewardScorer, decode_completions
 from .trajectories import append_jsonl, trajectory_records
 from .weight_sync import iter_policy_buckets, policy_specs
 from .worker import WorkerSpec
+from .worker_process import ProcessBackend
 
 logger = logging.get_logger(__name__)
 
@@ -202,7 +203,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 num_generations=self.num_generations,
                 eos_token_ids=tuple(self.eos_token_ids),
                 pad_token_id=self._tokenizer.pad_token_id,
-                weight_update=a.rollout_weight_update,
+                weight_update=a.resolved_weight_update,
                 torch_threads=a.rollout_torch_threads,
                 seed=args.seed + 1 + i + 100_003 * start_version,
                 verify_weights=a.rollout_verify_weights,
@@ -228,8 +229,65 @@ class AsyncGRPOTrainer(GRPOTrainer):
             seed=args.seed,
             skip_batches=start_version // self._steps_per_batch,
         )
-        weight_specs = policy_specs(model)
-        return RolloutPool(specs, weight_specs, settings, prompts, self._make_tokenize_row(), self._make_score_group())
+        if a.rollout_backend == "vllm":
+            backend = self._vllm_backend(model)
+        else:
+            backend = ProcessBackend(specs, policy_specs(model), self._rollout_batch_groups)
+        return RolloutPool(backend, settings, prompts, self._make_tokenize_row(), self._make_score_group())
+
+    def _vllm_urls(self) -> list[str]:
+        args = self.args
+        if self.async_args.rollout_vllm_urls:
+            return list(self.async_args.rollout_vllm_urls)
+        if args.vllm_server_base_url:
+            return [args.vllm_server_base_url]
+        return [f"http://{args.vllm_server_host}:{args.vllm_server_port}"]
+
+    def _vllm_transport(self) -> str:
+        transport = self.async_args.rollout_vllm_weight_transport
+        if transport == "auto":
+            return "nccl" if self.accelerator.device.type == "cuda" else "gloo"
+        return transport
+
+    def _vllm_backend(self, model):
+        from .vllm_backend import VLLMBackend, VLLMLaneSpec
+
+        args, a = self.args, self.async_args
+        sampling = {
+            "n": self.num_generations,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": -1 if self.top_k is None else self.top_k,
+            "min_p": 0.0 if self.min_p is None else self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "max_tokens": self.max_completion_length,
+            "stop_token_ids": list(self.eos_token_ids),
+            "logprobs": 0,
+            "detokenize": False,
+            **(args.generation_kwargs or {}),
+        }
+        specs = [
+            VLLMLaneSpec(
+                worker_id=i,
+                url=url,
+                sampling_params=sampling,
+                eos_token_ids=tuple(self.eos_token_ids),
+                seed=args.seed + 1_000_003 * (i + 1) + 100_003 * self.state.global_step,
+                max_requests=a.rollout_vllm_max_requests or self._queue_size,
+                request_timeout_s=a.rollout_timeout_s,
+                retry_s=a.rollout_vllm_retry_s,
+            )
+            for i, url in enumerate(self._vllm_urls())
+        ]
+        return VLLMBackend(
+            specs,
+            max_outstanding=self._queue_size,
+            weight_specs=policy_specs(model, persistent_only=True),
+            transport=self._vllm_transport(),
+            bucket_bytes=int(a.weight_sync_bucket_mb * 2**20),
+            pause_mode="keep" if a.resolved_weight_update == "decode_step" else "wait",
+            startup_timeout_s=args.vllm_server_timeout,
+        )
 
     def _ensure_pool(self) -> None:
         """Start the workers (main process only) and publish the current weights as the first version. Every rank
@@ -269,6 +327,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             int(self.async_args.weight_sync_bucket_mb * 2**20),
             flat_zero3=self._dist.is_zero3,
             out=self._pool.publish_target if self._pool is not None else None,  # ZeRO-3 shards land there directly
+            persistent_only=self.async_args.rollout_backend == "vllm",  # a vLLM model loads checkpoint tensors only
         )
         if self._pool is not None:
             seconds = self._pool.publish(buckets, version)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .gloo_transfer import plan_buckets
+
 
 @dataclass(frozen=True)
 class _Unit:
@@ -48,7 +50,16 @@ def _clean_peft_name(name: str) -> str:
     )
 
 
-def _peft_units(model) -> list[_Unit]:
+def _buffers(model: torch.nn.Module, persistent_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Buffers; with ``persistent_only``, only those a checkpoint holds (what a vLLM model loads: it computes the
+    rotary tables and other non-persistent buffers itself)."""
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and not (persistent_only and name in module._non_persistent_buffers_set):
+                yield (f"{module_name}.{name}" if module_name else name), buffer
+
+
+def _peft_units(model, persistent_only: bool) -> list[_Unit]:
     from peft.tuners.lora import LoraLayer
 
     units, covered = [], set()
@@ -79,7 +90,7 @@ def _peft_units(model) -> list[_Unit]:
         if id(p) in covered or "lora_" in name or ".original_module." in name:
             continue
         units.append(_unit(_clean_peft_name(name), p))
-    for name, b in model.named_buffers():
+    for name, b in _buffers(model, persistent_only):
         units.append(_unit(_clean_peft_name(name), b))
     return units
 
@@ -89,16 +100,20 @@ def is_peft(model: torch.nn.Module) -> bool:
     return hasattr(model, "get_base_model") and getattr(model, "peft_config", None) is not None
 
 
-def policy_units(model: torch.nn.Module) -> list[_Unit]:
-    """What the workers receive, in a fixed order: parameters then buffers, under the base model's names."""
+def policy_units(model: torch.nn.Module, persistent_only: bool = False) -> list[_Unit]:
+    """What the workers receive, in a fixed order: parameters then buffers (only checkpointed ones with
+    ``persistent_only``), under the base model's names."""
     if is_peft(model):
-        return _peft_units(model)
-    return [_unit(n, p) for n, p in model.named_parameters()] + [_unit(n, b) for n, b in model.named_buffers()]
+        return _peft_units(model, persistent_only)
+    params = [_unit(n, p) for n, p in model.named_parameters()]
+    return params + [_unit(n, b) for n, b in _buffers(model, persistent_only)]
 
 
-def policy_specs(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def policy_specs(
+    model: torch.nn.Module, persistent_only: bool = False
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Full shape and dtype of every tensor ``iter_policy_buckets`` yields (readable without any gather)."""
-    return {u.name: (u.shape, u.dtype) for u in policy_units(model)}
+    return {u.name: (u.shape, u.dtype) for u in policy_units(model, persistent_only)}
 
 
 def _zero3_full_tensors(params: list[torch.Tensor], dests: list[torch.Tensor | None]) -> list[torch.Tensor] | None:
@@ -164,6 +179,7 @@ def iter_policy_buckets(
     bucket_bytes: int,
     flat_zero3: bool = False,
     out: Mapping[str, torch.Tensor] | None = None,
+    persistent_only: bool = False,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield ``[(name, full tensor), ...]`` buckets of at most ``bucket_bytes`` (one oversized tensor goes alone).
 
@@ -174,25 +190,20 @@ def iter_policy_buckets(
     consumed. Every rank must exhaust this generator in the same order; tensors are valid only until the next
     ``next()``.
     """
-    bucket: list[_Unit] = []
-    size = 0
-    for unit in [*policy_units(model), None]:
-        if bucket and (unit is None or size + unit.nbytes > bucket_bytes):
-            if flat_zero3 and _flat_gatherable(bucket):
-                with torch.no_grad():
-                    shipped = [u for u in bucket if u.params]
-                    dests = [out.get(u.name) if out is not None else None for u in shipped]
-                    fulls = _zero3_full_tensors([u.params[0] for u in shipped], dests)
-                    if fulls is None:  # not rank 0: nothing to hand out, the shards went to rank 0
-                        yield []
-                    else:
-                        gathered = iter(fulls)
-                        yield [(u.name, next(gathered) if u.params else u.compute()) for u in bucket]
-            else:
-                params = [p for u in bucket for p in u.params]
-                with torch.no_grad(), gather_params(params):
-                    yield [(u.name, u.compute()) for u in bucket]
-            bucket, size = [], 0
-        if unit is not None:
-            bucket.append(unit)
-            size += unit.nbytes
+    units = policy_units(model, persistent_only)
+    for span in plan_buckets([u.nbytes for u in units], bucket_bytes):  # the vLLM gloo receiver cuts the same way
+        bucket = [units[i] for i in span]
+        if flat_zero3 and _flat_gatherable(bucket):
+            with torch.no_grad():
+                shipped = [u for u in bucket if u.params]
+                dests = [out.get(u.name) if out is not None else None for u in shipped]
+                fulls = _zero3_full_tensors([u.params[0] for u in shipped], dests)
+                if fulls is None:  # not rank 0: nothing to hand out, the shards went to rank 0
+                    yield []
+                else:
+                    gathered = iter(fulls)
+                    yield [(u.name, next(gathered) if u.params else u.compute()) for u in bucket]
+        else:
+            params = [p for u in bucket for p in u.params]
+            with torch.no_grad(), gather_params(params):
+                yield [(u.name, u.compute()) for u in bucket]

@@ -45,6 +45,7 @@ class WorkerProcess:
     heartbeat: object  # shared double, time.time() of the worker's last beat
     restarts: int = 0
     outstanding: dict[int, RolloutTask] = field(default_factory=dict)  # group id -> task, in dispatch order
+    max_outstanding: int = 2
 
     @classmethod
     def start(cls, ctx, spec: WorkerSpec, weights: SharedMemoryWeights, restarts: int = 0) -> WorkerProcess:
@@ -68,6 +69,15 @@ class WorkerProcess:
     @property
     def worker_id(self) -> int:
         return self.spec.worker_id
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def exit_reason(self) -> str:
+        return f"exited with code {self.process.exitcode}"
+
+    def describe(self) -> str:
+        return f"rollout worker {self.worker_id} (pid {self.process.pid})"
 
     def silent_for(self, now: float) -> float:
         """Seconds since the last heartbeat (negative during the start-up grace)."""
@@ -98,3 +108,32 @@ class WorkerProcess:
         for conn in (self.tasks, self.results):
             with contextlib.suppress(Exception):
                 conn.close()
+
+
+class ProcessBackend:
+    """The pool's backend for ``rollout_backend="transformers"``: worker processes and shared-memory weights."""
+
+    restartable = True
+
+    def __init__(self, specs: list[WorkerSpec], weight_specs: dict, groups_per_call: int) -> None:
+        import torch
+
+        self.specs = specs
+        self.ctx = torch.multiprocessing.get_context("spawn")
+        self.weights = SharedMemoryWeights(weight_specs, self.ctx)
+        self.max_outstanding = 2 * groups_per_call  # the chunk being generated and the next one
+
+    def start_lane(self, index: int, restarts: int = 0) -> WorkerProcess:
+        worker = WorkerProcess.start(self.ctx, self.specs[index], self.weights, restarts=restarts)
+        worker.max_outstanding = self.max_outstanding
+        return worker
+
+    @property
+    def publish_target(self):
+        return self.weights.spare_tensors
+
+    def publish(self, buckets, version: int, digest=None) -> None:
+        self.weights.publish(buckets, version, digest)
+
+    def close(self) -> None:
+        pass

@@ -88,7 +88,7 @@ def main():
             reference = full
         pool = trainer.last_rollout_pool
         compared, mismatches = 0, []
-        for name, tensor in pool._weights.tensors.items():
+        for name, tensor in pool.backend.weights.tensors.items():
             if name in reference:
                 compared += 1
                 if not torch.allclose(tensor, reference[name].to(tensor.dtype), rtol=0, atol=1e-6 if cli.peft else 0):
@@ -101,9 +101,9 @@ def main():
             "max_staleness_seen": max(h["async/staleness_max"] for h in logs),
             "verified_adoptions": pool.verified_adoptions,
             "compared": compared,
-            "expected": len(pool._weights.tensors),
+            "expected": len(pool.backend.weights.tensors),
             "mismatches": mismatches,
-            "not_compared": [n for n in pool._weights.tensors if n not in reference],
+            "not_compared": [n for n in pool.backend.weights.tensors if n not in reference],
             "workers_alive": [p.is_alive() for p in pool.processes],
         }
         with open(cli.out, "w") as f:

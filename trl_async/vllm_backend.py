@@ -1,0 +1,221 @@
+"""``rollout_backend="vllm"``: generation on vLLM servers behind the same pool, admission control and queue.
+
+Each server is one *lane* of the pool (what a worker process is for the transformers backend): the pool's dispatcher
+hands it admitted groups, and the lane issues one ``/inference/v1/generate`` request per group (``n =
+num_generations``) from its own threads, many at once, so the server's continuous batching stays full. Finished
+groups reach the pool's collector through a pipe exactly like a worker's, so scoring, the queue and every metric are
+shared. Each token comes back with its log-prob under the distribution vLLM sampled from (the server runs with
+``--logprobs-mode processed_logprobs``: temperature, top-k/top-p applied), i.e. mu, and with the label of the
+weights that sampled it (vLLM's ``weight_versions`` spans; a weight push labels the weights with the policy version).
+
+A lane health-checks its server every 0.5 s; a server that stops answering is reported by the pool's health check
+(``rollout_heartbeat_timeout_s``) naming its URL, and a request that fails is retried with backoff for
+``rollout_vllm_retry_s`` before the lane reports it. A server cannot be restarted by us, so a lost server ends
+training with that error (never a hang).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing import Pipe
+
+from .records import RolloutGroup, RolloutTask, WeightsAdopted, WorkerFailed
+from .vllm_client import VLLMServer, VLLMServerError
+from .vllm_weights import Buckets, VLLMWeightPusher
+
+HEALTH_INTERVAL_S = 0.5
+
+
+@dataclass(frozen=True)
+class VLLMLaneSpec:
+    worker_id: int
+    url: str
+    sampling_params: dict  # vLLM SamplingParams fields shared by every request (n, temperature, max_tokens, ...)
+    eos_token_ids: tuple[int, ...]
+    seed: int
+    max_requests: int  # concurrent requests to this server
+    request_timeout_s: float
+    retry_s: float
+
+
+def cut_after_eos(token_ids: Sequence[int], eos_token_ids: Sequence[int]) -> int:
+    """Length of a completion kept up to and including its first EOS (all of it without one)."""
+    for i, token in enumerate(token_ids):
+        if token in eos_token_ids:
+            return i + 1
+    return len(token_ids)
+
+
+@dataclass(eq=False)
+class VLLMLane:
+    spec: VLLMLaneSpec
+    max_outstanding: int
+    restarts: int = 0
+    outstanding: dict[int, RolloutTask] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.server = VLLMServer(self.spec.url, self.spec.request_timeout_s, self.spec.retry_s)
+        self.results, self._outbox = Pipe(duplex=False)
+        self._outbox_lock = threading.Lock()
+        self._tasks: queue.Queue[RolloutTask | None] = queue.Queue()
+        self._stopped = threading.Event()
+        self._last_healthy = time.time()
+        # daemon threads: a request stuck on a hung server must not keep the interpreter from exiting
+        for i in range(self.spec.max_requests):
+            threading.Thread(
+                target=self._request_loop, name=f"trl_async-vllm{self.worker_id}-{i}", daemon=True
+            ).start()
+        threading.Thread(target=self._health_loop, name=f"trl_async-vllm{self.worker_id}-health", daemon=True).start()
+
+    @property
+    def worker_id(self) -> int:
+        return self.spec.worker_id
+
+    # ---- the pool's view (same as WorkerProcess) ---------------------------------------------------------------
+    def send(self, chunk: list[RolloutTask]) -> None:
+        for task in chunk:
+            self.outstanding[task.group_id] = task
+            self._tasks.put(task)
+
+    def is_alive(self) -> bool:
+        return not self._stopped.is_set()
+
+    def exit_reason(self) -> str:
+        return "was stopped"
+
+    def silent_for(self, now: float) -> float:
+        return now - self._last_healthy
+
+    def describe(self) -> str:
+        return f"vLLM server {self.spec.url}"
+
+    def adopted(self, version: int) -> None:
+        """The server now generates with ``version`` (called after a push)."""
+        self._post(WeightsAdopted(self.worker_id, version, None))
+
+    def stop(self, timeout_s: float = 0.0) -> None:
+        self.kill()
+
+    def kill(self) -> None:
+        self._stopped.set()
+        for _ in range(self.spec.max_requests):
+            self._tasks.put(None)
+        with self._outbox_lock:
+            self._outbox.close()
+        with contextlib.suppress(Exception):
+            self.results.close()
+
+    # ---- lane threads ------------------------------------------------------------------------------------------
+    def _post(self, msg) -> None:
+        with self._outbox_lock:
+            if not self._stopped.is_set():
+                with contextlib.suppress(OSError):
+                    self._outbox.send(msg)
+
+    def _health_loop(self) -> None:
+        while not self._stopped.wait(HEALTH_INTERVAL_S):
+            if self.server.healthy(timeout_s=2.0):
+                self._last_healthy = time.time()
+
+    def _request_loop(self) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is None or self._stopped.is_set():
+                return
+            try:
+                self._post(self._generate(task))
+            except Exception as exc:  # noqa: BLE001 - reported to the pool, which raises it on the trainer's thread
+                self._post(WorkerFailed(self.worker_id, f"vLLM server {self.spec.url}: {exc}"))
+
+    def _generate(self, task: RolloutTask) -> RolloutGroup:
+        started_at, start = time.time(), time.perf_counter()
+        params = {**self.spec.sampling_params, "seed": self.spec.seed + task.group_id}
+        completions = self.server.generate(task.prompt_ids, params)
+        elapsed = time.perf_counter() - start
+        if len(completions) != params["n"]:
+            raise VLLMServerError(f"asked for {params['n']} completions, got {len(completions)}")
+        kept = [cut_after_eos(c.token_ids, self.spec.eos_token_ids) for c in completions]
+        return RolloutGroup(
+            group_id=task.group_id,
+            prompt_index=task.prompt_index,
+            prompt_ids=task.prompt_ids,
+            completion_ids=tuple(c.token_ids[:n] for c, n in zip(completions, kept, strict=True)),
+            logprobs=tuple(c.logprobs[:n] for c, n in zip(completions, kept, strict=True)),
+            versions=tuple(c.versions[:n] for c, n in zip(completions, kept, strict=True)),
+            worker_id=self.worker_id,
+            generate_s=elapsed,
+            generate_started_at=started_at,
+        )
+
+
+class VLLMBackend:
+    """The pool's backend for vLLM servers: one lane per server and the weight pusher."""
+
+    restartable = False
+
+    def __init__(
+        self,
+        specs: Sequence[VLLMLaneSpec],
+        max_outstanding: int,
+        weight_specs: dict,
+        transport: str,
+        bucket_bytes: int,
+        pause_mode: str,
+        startup_timeout_s: float,
+    ) -> None:
+        self.specs = list(specs)
+        self.max_outstanding = max_outstanding
+        self.pause_mode = pause_mode
+        servers = [VLLMServer(s.url, s.request_timeout_s, s.retry_s) for s in self.specs]
+        for server in servers:
+            check_server(server, startup_timeout_s, transport)
+        self.pusher = VLLMWeightPusher(servers, transport, bucket_bytes, startup_timeout_s, weight_specs)
+        self.lanes: list[VLLMLane] = []
+
+    def start_lane(self, index: int, restarts: int = 0) -> VLLMLane:
+        lane = VLLMLane(self.specs[index], self.max_outstanding, restarts)
+        self.lanes.append(lane)
+        return lane
+
+    @property
+    def publish_target(self) -> None:
+        return None  # weights stream to the servers; nothing to write in place
+
+    def publish(self, buckets: Buckets, version: int, digest=None) -> None:
+        self.pusher.push(buckets, version, self.pause_mode)
+        for lane in self.lanes:
+            lane.adopted(version)
+
+    def close(self) -> None:
+        for lane in self.lanes:
+            lane.kill()
+
+
+def check_server(server: VLLMServer, startup_timeout_s: float, transport: str) -> None:
+    """Fail early, naming the flag to add, when a server is not started the way this backend needs."""
+    server.wait_until_healthy(startup_timeout_s)
+    hint = "start it with `python -m trl_async.vllm_serve` (or see the README for the flags)"
+    try:
+        info = server.server_info()
+    except VLLMServerError as exc:
+        raise VLLMServerError(
+            f"vLLM server {server.url} has no development endpoints (/server_info): set VLLM_SERVER_DEV_MODE=1 when "
+            f"starting it; {hint}. ({exc})"
+        ) from None
+    config = info.get("vllm_config", {})
+    if config.get("model_config", {}).get("logprobs_mode") != "processed_logprobs":
+        raise VLLMServerError(
+            f"vLLM server {server.url} does not return the log-probs of the distribution it samples from: add "
+            f"--logprobs-mode processed_logprobs (the off-policy correction needs mu); {hint}"
+        )
+    expected = "trl_async_gloo" if transport == "gloo" else "nccl"
+    if (config.get("weight_transfer_config") or {}).get("backend") != expected:
+        raise VLLMServerError(
+            f"vLLM server {server.url} has no '{expected}' weight-transfer engine: add --weight-transfer-config "
+            f'\'{{"backend": "{expected}"}}\'; {hint}'
+        )

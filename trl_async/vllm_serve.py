@@ -1,0 +1,58 @@
+"""Start a vLLM server the way ``rollout_backend="vllm"`` needs it (run this in the server's environment).
+
+    python -m trl_async.vllm_serve --model Qwen/Qwen2.5-1.5B --port 8000                 # GPU: NCCL weight push
+    python -m trl_async.vllm_serve --model ./tiny --port 8000 --transport gloo -- --dtype float32 --enforce-eager
+
+It is ``vllm serve`` (vLLM's OpenAI-compatible API server) with: ``VLLM_SERVER_DEV_MODE=1`` (pause/resume and the
+weight-transfer endpoints), ``--enable-scale-out`` (token-in/token-out ``/inference/v1/generate``, which returns
+each token's weight version), ``--logprobs-mode processed_logprobs`` (log-probs of the distribution actually sampled
+from) and ``--weight-transfer-config`` with ``nccl`` (GPU) or ``trl_async_gloo`` (CPU; needs trl_async installed in
+the server's environment, ``pip install --no-deps trl_async``). Arguments after ``--`` go to vLLM unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def server_command(model: str, host: str, port: int, transport: str, extra: list[str]) -> list[str]:
+    backend = "trl_async_gloo" if transport == "gloo" else "nccl"
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--enable-scale-out",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--weight-transfer-config",
+        json.dumps({"backend": backend}),
+        *extra,
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    ours = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--transport", choices=("nccl", "gloo"), default="nccl")
+    args = parser.parse_args(ours)
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+    command = server_command(args.model, args.host, args.port, args.transport, extra)
+    os.execv(command[0], command)
+
+
+if __name__ == "__main__":
+    main()
