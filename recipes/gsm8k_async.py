@@ -11,10 +11,13 @@ can come from the YAML file given with ``--config`` and be overridden on the com
     accelerate launch --config_file recipes/accelerate/zero3.yaml --num_processes 7 \\
         recipes/gsm8k_async.py --config recipes/configs/gsm8k_async.yaml --rollout_device cuda:7
 
-    # separate vLLM server GPUs (the vLLM backend is issue 7; until it lands the parser refuses this setting)
-    CUDA_VISIBLE_DEVICES=6,7 trl vllm-serve --model Qwen/Qwen2.5-0.5B-Instruct --data_parallel_size 2
-    CUDA_VISIBLE_DEVICES=0-5 accelerate launch --config_file recipes/accelerate/zero3.yaml --num_processes 6 \\
-        recipes/gsm8k_async.py --config recipes/configs/gsm8k_async.yaml --rollout_backend vllm
+    # separate vLLM server GPUs: one server per GPU (6 and 7) behind the same queue, ZeRO-3 training on GPUs 0-5,
+    # weights pushed over NCCL by vLLM's weight-transfer engine (the servers must serve the model being trained)
+    CUDA_VISIBLE_DEVICES=6 python -m trl_async.vllm_serve --model Qwen/Qwen2.5-0.5B-Instruct --port 8000 &
+    CUDA_VISIBLE_DEVICES=7 python -m trl_async.vllm_serve --model Qwen/Qwen2.5-0.5B-Instruct --port 8001 &
+    CUDA_VISIBLE_DEVICES=0,1,2,3,4,5 accelerate launch --config_file recipes/accelerate/zero3.yaml --num_processes 6 \\
+        recipes/gsm8k_async.py --config recipes/configs/gsm8k_async.yaml --rollout_backend vllm \\
+        --rollout_vllm_urls http://localhost:8000 http://localhost:8001
 
     # offline: a local JSON/JSONL file with `question` and `answer` columns (GSM8K's format)
     python recipes/gsm8k_async.py --config recipes/configs/gsm8k_async.yaml --dataset_path data/gsm8k_train.jsonl

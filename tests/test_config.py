@@ -12,7 +12,9 @@ BASE = dict(output_dir="/tmp/trl_async_cfg", report_to=[], bf16=False, use_cpu=T
     [
         ("max_staleness", -1, "0 \\(synchronous"),
         ("num_rollout_workers", 0, "1 or more"),
-        ("rollout_backend", "vllm", "not available yet"),
+        ("rollout_backend", "sglang", "transformers"),
+        ("rollout_vllm_weight_transport", "tcp", "nccl"),
+        ("rollout_vllm_max_requests", 0, "1 or more"),
         ("rollout_device", "tpu-ish", "torch device"),
         ("rollout_batch_groups", 0, "1 or more"),
         ("rollout_queue_size", 0, "1 or more"),
@@ -56,3 +58,12 @@ def test_async_config_is_a_grpo_config_with_its_values():
     cfg = AsyncGRPOConfig(**BASE, max_staleness=3, num_rollout_workers=2)
     assert isinstance(cfg, GRPOConfig)
     assert async_fields_of(cfg).max_staleness == 3 and async_fields_of(cfg).num_rollout_workers == 2
+
+
+def test_weight_update_point_defaults_to_the_backends_cheap_one():
+    assert AsyncGRPOConfig(**BASE).resolved_weight_update == "batch"  # workers adopt between generate calls
+    assert AsyncGRPOConfig(**BASE, rollout_backend="vllm").resolved_weight_update == "decode_step"  # pause keep
+    assert (
+        AsyncGRPOConfig(**BASE, rollout_backend="vllm", rollout_weight_update="batch").resolved_weight_update
+        == "batch"
+    )

@@ -65,3 +65,23 @@ def test_recipe_parses_its_yaml_with_overrides_and_trains_on_a_local_file(tmp_pa
     assert 0.0 <= summary["reward_first"] <= 2.0 and summary["staleness_max"] <= 2
     assert (tmp_path / "out" / "model.safetensors").exists()  # the trained model was saved
     assert "GSM8K async GRPO" in capsys.readouterr().out
+
+
+def test_recipe_parses_the_vllm_server_command_line():
+    """The docstring's multi-server command: two URLs become a list, the backend and transport are validated."""
+    from trl import TrlParser
+
+    from trl_async import AsyncGRPOConfig
+
+    parser = TrlParser((gsm8k_async.GSM8KArguments, AsyncGRPOConfig, gsm8k_async.ModelConfig))
+    _, training_args, _ = parser.parse_args_and_config(
+        [
+            "--config", str(ROOT / "recipes/configs/gsm8k_async.yaml"), "--output_dir", "out", "--bf16", "false",
+            "--rollout_backend", "vllm", "--rollout_vllm_urls", "http://localhost:8000", "http://localhost:8001",
+        ]
+    )  # fmt: skip
+    assert training_args.rollout_vllm_urls == ["http://localhost:8000", "http://localhost:8001"]
+    assert training_args.resolved_weight_update == "decode_step"
+    with pytest.raises(ValueError, match="rollout_vllm_urls"):
+        parser.parse_args_and_config(["--config", str(ROOT / "recipes/configs/gsm8k_async.yaml"), "--output_dir",
+                                      "out", "--bf16", "false", "--rollout_vllm_urls", "localhost:8000"])  # fmt: skip

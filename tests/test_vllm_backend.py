@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing
+import threading
 import time
 
 import pytest
@@ -164,6 +165,36 @@ def test_greedy_output_after_a_push_equals_the_trainers_greedy_output(vllm_serve
             assert got[0].versions == (version,) * 16
 
 
+def test_an_in_flight_push_switches_versions_mid_completion_and_tags_every_token_truthfully(
+    vllm_server, vllm_model_dir
+):
+    """pause(keep) -> push -> reset cache -> resume while a request runs: its tokens before the switch come from the
+    old weights and carry the old version, the rest from the new weights (KV recomputed) with the new version."""
+    server = VLLMServer(vllm_server.url)
+    old, new = _perturbed(vllm_model_dir, seed=4), _perturbed(vllm_model_dir, seed=5)
+    prompt = [7, 8, 9]
+    params = {"n": 1, "max_tokens": 240, "temperature": 1.0, "logprobs": 0, "seed": 1, "ignore_eos": True}
+    for attempt in range(3):  # the push must land while the request decodes; on a stalled machine, try again
+        _push(server, old, version=10 + 2 * attempt)
+        result: dict = {}
+        request = threading.Thread(target=lambda out=result: out.update(c=server.generate(prompt, params)[0]))
+        request.start()
+        time.sleep(0.1)
+        _push(server, new, version=11 + 2 * attempt, pause_mode="keep")
+        request.join(60)
+        c, before, after = result["c"], 10 + 2 * attempt, 11 + 2 * attempt
+        if after in c.versions:
+            break
+    switch = c.versions.index(after)
+    assert 0 < switch < len(c.versions) and c.versions == (before,) * switch + (after,) * (len(c.versions) - switch)
+    ids = torch.tensor([prompt + list(c.token_ids)])
+    for model, span in ((old, slice(0, switch)), (new, slice(switch, None))):
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1]
+        reference = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(c.logprobs)[span], reference[span], rtol=0, atol=1e-3)
+
+
 def _dataset():
     return Dataset.from_list([{"prompt": f"q{i}:"} for i in range(16)])
 
@@ -173,7 +204,7 @@ def _reward(completions, **kwargs):
 
 
 def _vllm_args(tmp_path, url, **overrides):
-    return AsyncGRPOConfig(
+    settings = dict(
         output_dir=str(tmp_path),
         per_device_train_batch_size=8,
         num_generations=4,
@@ -189,8 +220,8 @@ def _vllm_args(tmp_path, url, **overrides):
         rollout_vllm_urls=[url],
         rollout_trajectory_file="traj.jsonl",
         vllm_server_timeout=30,
-        **overrides,
     )
+    return AsyncGRPOConfig(**{**settings, **overrides})
 
 
 def test_async_training_against_the_server_holds_the_staleness_bound(tmp_path, vllm_server, vllm_model_dir):

@@ -1,0 +1,78 @@
+"""GPU check of the vLLM backend (run by benchmarks/gpu_check.sh): a DeepSpeed ZeRO-3 trainer pushes its weights to a
+CUDA vLLM server over vLLM's NCCL weight-transfer engine and trains a few asynchronous steps; then the server's greedy
+output must equal the trained model's. Writes a JSON verdict to the path given as the first argument."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+from accelerate.utils import gather_object
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
+
+from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
+from trl_async.vllm_client import VLLMServer
+
+
+def reward(completions, **kwargs):
+    return [c.count("a") / 8 for c in completions]
+
+
+def main(out_path: str, model_dir: str, url: str, steps: int) -> None:
+    args = AsyncGRPOConfig(
+        output_dir="/tmp/gpu_check_out",
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=16,
+        learning_rate=5e-2,
+        logging_steps=1,
+        report_to=[],
+        bf16=False,
+        save_strategy="no",
+        beta=0.0,
+        max_steps=steps,
+        max_staleness=1,
+        rollout_backend="vllm",
+        rollout_vllm_urls=[url],
+        rollout_vllm_weight_transport="nccl",
+        vllm_server_timeout=300,
+    )
+    dataset = Dataset.from_list([{"prompt": f"q{i}:"} for i in range(32)])
+    trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset)
+    start = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - start
+    state = trainer.accelerator.get_state_dict(trainer.model)  # ZeRO-3: gathered on the main process
+    staleness = [h["async/staleness_max"] for h in trainer.state.log_history if "async/staleness_max" in h]
+    sync = [h["async/weight_sync_s"] for h in trainer.state.log_history if "async/weight_sync_s" in h]
+    gather_object([0])
+    if not trainer.accelerator.is_main_process:
+        return
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    server = VLLMServer(url)
+    matches = []
+    for prompt in ([5, 6, 7, 8, 9], [20, 3, 11]):
+        expected = model.generate(torch.tensor([prompt]).cuda(), max_new_tokens=16, do_sample=False, eos_token_id=None)
+        got = server.generate(
+            prompt, {"n": 1, "max_tokens": 16, "temperature": 0.0, "logprobs": 0, "ignore_eos": True}
+        )
+        matches.append(list(got[0].token_ids) == expected[0, len(prompt) :].tolist())
+    verdict = {
+        "steps": trainer.state.global_step,
+        "wall_s": round(wall, 2),
+        "staleness_max": max(staleness) if staleness else None,
+        "weight_sync_s_median": sorted(sync)[len(sync) // 2] if sync else None,
+        "greedy_matches": matches,
+        "ok": trainer.state.global_step == steps and all(matches) and max(staleness) <= 1,
+    }
+    print(json.dumps(verdict))
+    with open(out_path, "w") as f:
+        json.dump(verdict, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 4)
