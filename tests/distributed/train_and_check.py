@@ -24,6 +24,7 @@ def main():
     parser.add_argument("--peft", action="store_true")
     parser.add_argument("--use_cpu", action="store_true", help="DDP on CPU: accelerate's MULTI_CPU (gloo)")
     parser.add_argument("--stall_rank1", type=float, default=0.0, help="rank 1 sleeps this long before step 2")
+    parser.add_argument("--vllm_url", default=None, help="generate on this vLLM server (weights pushed over gloo)")
     cli = parser.parse_args()
     torch.set_num_threads(1)
     args = AsyncGRPOConfig(
@@ -45,6 +46,9 @@ def main():
         weight_sync_bucket_mb=0.05,  # several buckets even for the tiny model
         rollout_trajectory_file="traj.jsonl",  # per rank: rewards and advantages of its rows, checked by the test
     )
+    if cli.vllm_url:
+        args.rollout_backend, args.rollout_vllm_urls, args.rollout_verify_weights = "vllm", [cli.vllm_url], False
+        args.max_completion_length = 8
     peft_config = None
     if cli.peft:
         from peft import LoraConfig
@@ -87,6 +91,10 @@ def main():
         else:
             reference = full
         pool = trainer.last_rollout_pool
+        if cli.vllm_url:
+            write_vllm_result(cli, trainer, reference, pool)
+            trainer.accelerator.wait_for_everyone()
+            return
         compared, mismatches = 0, []
         for name, tensor in pool.backend.weights.tensors.items():
             if name in reference:
@@ -109,6 +117,22 @@ def main():
         with open(cli.out, "w") as f:
             json.dump(result, f)
     trainer.accelerator.wait_for_everyone()
+
+
+def write_vllm_result(cli, trainer, reference, pool):
+    """The consolidated weights go to a file: the test compares the server's greedy output with them (building a
+    model here would run DeepSpeed's ZeRO-3 init, a collective, on rank 0 alone)."""
+    torch.save({k: v.float().cpu() for k, v in reference.items()}, os.path.join(os.path.dirname(cli.out), "final.pt"))
+    logs = [h for h in trainer.state.log_history if "async/staleness_max" in h]
+    result = {
+        "zero_stage": trainer._dist.zero_stage,
+        "num_processes": trainer.accelerator.num_processes,
+        "steps": trainer.state.global_step,
+        "max_staleness_seen": max(h["async/staleness_max"] for h in logs),
+        "server_version": pool.worker_versions,
+    }
+    with open(cli.out, "w") as f:
+        json.dump(result, f)
 
 
 if __name__ == "__main__":
