@@ -51,8 +51,9 @@ class AsyncFields:
     rollout_vllm_max_requests: int | None = field(
         default=None,
         metadata={
-            "help": "Most concurrent generate requests (one per group) per vLLM server. Default: rollout_queue_size "
-            "(every admitted group may be in flight; admission control already bounds it)."
+            "help": "Most concurrent generate requests (one per group, each on its own thread) per vLLM server. "
+            "Default: rollout_queue_size, at most 256 (every admitted group may be in flight; admission control "
+            "already bounds it)."
         },
     )
     rollout_vllm_retry_s: float = field(

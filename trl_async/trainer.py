@@ -273,7 +273,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 sampling_params=sampling,
                 eos_token_ids=tuple(self.eos_token_ids),
                 seed=args.seed + 1_000_003 * (i + 1) + 100_003 * self.state.global_step,
-                max_requests=a.rollout_vllm_max_requests or self._queue_size,
+                max_requests=a.rollout_vllm_max_requests or min(self._queue_size, 256),  # a thread each
                 request_timeout_s=a.rollout_timeout_s,
                 retry_s=a.rollout_vllm_retry_s,
             )
