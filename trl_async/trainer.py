@@ -189,27 +189,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def _start_pool(self) -> RolloutPool:
         args, a = self.args, self.async_args
         model = self.accelerator.unwrap_model(self.model)
-        base = model.get_base_model() if is_peft_model(model) else model
-        dtype = next(base.parameters()).dtype
         start_version = self.state.global_step
-        specs = [
-            WorkerSpec(
-                worker_id=i,
-                model_class=type(base),
-                model_config=base.config,
-                dtype=dtype,
-                device=a.rollout_device,
-                generation_config=self.generation_config,
-                num_generations=self.num_generations,
-                eos_token_ids=tuple(self.eos_token_ids),
-                pad_token_id=self._tokenizer.pad_token_id,
-                weight_update=a.resolved_weight_update,
-                torch_threads=a.rollout_torch_threads,
-                seed=args.seed + 1 + i + 100_003 * start_version,
-                verify_weights=a.rollout_verify_weights,
-            )
-            for i in range(a.num_rollout_workers)
-        ]
         settings = PoolSettings(
             groups_per_batch=self._groups_per_batch,
             steps_per_batch=self._steps_per_batch,
@@ -229,11 +209,31 @@ class AsyncGRPOTrainer(GRPOTrainer):
             seed=args.seed,
             skip_batches=start_version // self._steps_per_batch,
         )
-        if a.rollout_backend == "vllm":
-            backend = self._vllm_backend(model)
-        else:
-            backend = ProcessBackend(specs, policy_specs(model), self._rollout_batch_groups)
+        backend = self._vllm_backend(model) if a.rollout_backend == "vllm" else self._process_backend(model)
         return RolloutPool(backend, settings, prompts, self._make_tokenize_row(), self._make_score_group())
+
+    def _process_backend(self, model) -> ProcessBackend:
+        args, a = self.args, self.async_args
+        base = model.get_base_model() if is_peft_model(model) else model
+        specs = [
+            WorkerSpec(
+                worker_id=i,
+                model_class=type(base),
+                model_config=base.config,
+                dtype=next(base.parameters()).dtype,
+                device=a.rollout_device,
+                generation_config=self.generation_config,
+                num_generations=self.num_generations,
+                eos_token_ids=tuple(self.eos_token_ids),
+                pad_token_id=self._tokenizer.pad_token_id,
+                weight_update=a.resolved_weight_update,
+                torch_threads=a.rollout_torch_threads,
+                seed=args.seed + 1 + i + 100_003 * self.state.global_step,
+                verify_weights=a.rollout_verify_weights,
+            )
+            for i in range(a.num_rollout_workers)
+        ]
+        return ProcessBackend(specs, policy_specs(model), self._rollout_batch_groups)
 
     def _vllm_urls(self) -> list[str]:
         args = self.args

@@ -92,7 +92,11 @@ class VLLMServer:
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
                 why = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
             if time.monotonic() + delay > deadline:
-                retried = f"gave up after retrying for {self.retry_s:.0f}s (rollout_vllm_retry_s)" if retry else "not retried"
+                retried = (
+                    f"gave up after retrying for {self.retry_s:.0f}s (rollout_vllm_retry_s)"
+                    if retry
+                    else "not retried"
+                )
                 raise VLLMServerError(f"vLLM server {self.url} failed {method} {path} ({why}); {retried}")
             time.sleep(delay)
             delay = min(2 * delay, 4.0)

@@ -135,7 +135,6 @@ class NCCLSender:
 
         source_cls = type("BucketSource", (_BucketSource, WeightSource), {})
         self.source = source_cls(specs)
-        self.version_client = client
         init_info = NCCLTrainerInitInfo(
             master_address=host or socket.gethostbyname(socket.gethostname()),
             master_port=_free_port(),

@@ -48,7 +48,9 @@ class WorkerProcess:
     max_outstanding: int = 2
 
     @classmethod
-    def start(cls, ctx, spec: WorkerSpec, weights: SharedMemoryWeights, restarts: int = 0) -> WorkerProcess:
+    def start(
+        cls, ctx, spec: WorkerSpec, weights: SharedMemoryWeights, restarts: int = 0, max_outstanding: int = 2
+    ) -> WorkerProcess:
         task_recv, task_send = ctx.Pipe(duplex=False)
         result_recv, result_send = ctx.Pipe(duplex=False)
         heartbeat = ctx.Value("d", time.time() + STARTUP_GRACE_S, lock=False)
@@ -64,7 +66,7 @@ class WorkerProcess:
             process.start()
         task_recv.close()  # the child holds its own copies; closing ours lets EOF reach the other side
         result_send.close()
-        return cls(spec, process, task_send, result_recv, heartbeat, restarts)
+        return cls(spec, process, task_send, result_recv, heartbeat, restarts, max_outstanding=max_outstanding)
 
     @property
     def worker_id(self) -> int:
@@ -124,9 +126,7 @@ class ProcessBackend:
         self.max_outstanding = 2 * groups_per_call  # the chunk being generated and the next one
 
     def start_lane(self, index: int, restarts: int = 0) -> WorkerProcess:
-        worker = WorkerProcess.start(self.ctx, self.specs[index], self.weights, restarts=restarts)
-        worker.max_outstanding = self.max_outstanding
-        return worker
+        return WorkerProcess.start(self.ctx, self.specs[index], self.weights, restarts, self.max_outstanding)
 
     @property
     def publish_target(self):
