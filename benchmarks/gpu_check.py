@@ -9,7 +9,6 @@ import sys
 import time
 
 import torch
-from accelerate.utils import gather_object
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
@@ -48,7 +47,7 @@ def main(out_path: str, model_dir: str, url: str, steps: int) -> None:
     state = trainer.accelerator.get_state_dict(trainer.model)  # ZeRO-3: gathered on the main process
     staleness = [h["async/staleness_max"] for h in trainer.state.log_history if "async/staleness_max" in h]
     sync = [h["async/weight_sync_s"] for h in trainer.state.log_history if "async/weight_sync_s" in h]
-    gather_object([0])
+    trainer.accelerator.wait_for_everyone()
     if not trainer.accelerator.is_main_process:
         return
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
