@@ -101,12 +101,8 @@ def main():
                 compared += 1
                 if not torch.allclose(tensor, reference[name].to(tensor.dtype), rtol=0, atol=1e-6 if cli.peft else 0):
                     mismatches.append(name)
-        logs = [h for h in trainer.state.log_history if "async/staleness_max" in h]
         result = {
-            "zero_stage": trainer._dist.zero_stage,
-            "num_processes": trainer.accelerator.num_processes,
-            "steps": trainer.state.global_step,
-            "max_staleness_seen": max(h["async/staleness_max"] for h in logs),
+            **run_facts(trainer),
             "verified_adoptions": pool.verified_adoptions,
             "compared": compared,
             "expected": len(pool.backend.weights.tensors),
@@ -119,18 +115,21 @@ def main():
     trainer.accelerator.wait_for_everyone()
 
 
-def write_vllm_result(cli, trainer, reference, pool):
-    """The consolidated weights go to a file: the test compares the server's greedy output with them (building a
-    model here would run DeepSpeed's ZeRO-3 init, a collective, on rank 0 alone)."""
-    torch.save({k: v.float().cpu() for k, v in reference.items()}, os.path.join(os.path.dirname(cli.out), "final.pt"))
+def run_facts(trainer) -> dict:
     logs = [h for h in trainer.state.log_history if "async/staleness_max" in h]
-    result = {
+    return {
         "zero_stage": trainer._dist.zero_stage,
         "num_processes": trainer.accelerator.num_processes,
         "steps": trainer.state.global_step,
         "max_staleness_seen": max(h["async/staleness_max"] for h in logs),
-        "server_version": pool.worker_versions,
     }
+
+
+def write_vllm_result(cli, trainer, reference, pool):
+    """The consolidated weights go to a file: the test compares the server's greedy output with them (building a
+    model here would run DeepSpeed's ZeRO-3 init, a collective, on rank 0 alone)."""
+    torch.save({k: v.float().cpu() for k, v in reference.items()}, os.path.join(os.path.dirname(cli.out), "final.pt"))
+    result = {**run_facts(trainer), "server_version": pool.worker_versions}
     with open(cli.out, "w") as f:
         json.dump(result, f)
 
