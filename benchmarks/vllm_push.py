@@ -68,7 +68,8 @@ def push_s(server: VLLMServer, model, rounds: int) -> list[float]:
     times = []
     for version in range(rounds):
         buckets = iter_policy_buckets(model, lambda p: contextlib.nullcontext(), BUCKET, persistent_only=True)
-        times.append(pusher.push(buckets, version, "keep"))
+        pusher.push(buckets, version, "keep")
+        times.append(pusher.last_phases)
     return times
 
 
@@ -94,9 +95,15 @@ def main() -> None:
                 server.stop()
             raw = raw_broadcast_s(model, args.pushes)[1:]
             med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-            runs.append({"size": label, "params": params, "mb": mb, "push_s": pushes, "raw_broadcast_s": raw})
-            rows.append([label, params, round(mb, 1), med(pushes) * 1e3, med(raw) * 1e3, med(raw) / med(pushes)])
-    header = ["model", "params", "MB (fp32)", "push ms (median)", "gloo broadcast ms", "ratio (broadcast / push)"]
+            totals = [sum(p.values()) for p in pushes]
+            phase = {k: med([p[k] for p in pushes]) * 1e3 for k in pushes[0]}
+            runs.append({"size": label, "params": params, "mb": mb, "push_phases_s": pushes, "raw_broadcast_s": raw})
+            rows.append(
+                [label, params, round(mb, 1), med(totals) * 1e3, phase["pause"], phase["send"], phase["reset_resume"],
+                 med(raw) * 1e3, med(raw) / med(totals)]
+            )  # fmt: skip
+    header = ["model", "params", "MB (fp32)", "push ms (median)", "pause", "start+send+load+finish", "reset+resume",
+              "gloo broadcast ms", "ratio (broadcast / push)"]  # fmt: skip
     write_json("vllm_push", {"bucket_bytes": BUCKET, "runs": runs})
     import matplotlib
 
@@ -116,7 +123,8 @@ def main() -> None:
     fig.savefig(png_path("vllm_push"), dpi=120)
     body = (
         "Weight push to a vLLM CPU server (`python benchmarks/vllm_push.py`): pause, gloo broadcast + the server's "
-        f"`load_weights`, label, cache reset, resume; median of {args.pushes - 1} pushes after a warm-up one, "
+        f"`load_weights`, label, cache reset, resume (phase columns: medians in ms); median of {args.pushes - 1} "
+        "pushes after a warm-up one, "
         "against the gloo broadcast of the same 8 MB buckets to a plain receiver, in the same run.\n\n"
         + markdown_table(header, rows)
         + "\n\n![vllm push](results/vllm_push.png)"

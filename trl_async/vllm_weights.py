@@ -176,6 +176,7 @@ class VLLMWeightPusher:
     def __init__(self, servers: Sequence[VLLMServer], transport: str, bucket_bytes: int, timeout_s: float, specs):
         self.servers = list(servers)
         self.specs = specs
+        self.last_phases: dict[str, float] = {}
         client = FanOutClient(self.servers)
         if transport == "nccl":
             self.sender = NCCLSender(client, specs)
@@ -183,9 +184,15 @@ class VLLMWeightPusher:
             self.sender = GlooSender(client, bucket_bytes, timeout_s)
 
     def push(self, buckets: Buckets, version: int, pause_mode: str) -> float:
-        start = time.perf_counter()
+        """Returns the seconds it took; ``last_phases`` holds the seconds of each phase (for benchmarks)."""
+        marks = [time.perf_counter()]
         _all(self.servers, lambda s: s.pause(pause_mode))
+        marks.append(time.perf_counter())
         self.sender.send(buckets, self.specs, version)  # on failure the servers stay paused: their weights are mixed
+        marks.append(time.perf_counter())
         _all(self.servers, lambda s: s.reset_prefix_cache())  # cached KV is the old weights'
         _all(self.servers, lambda s: s.resume())
-        return time.perf_counter() - start
+        marks.append(time.perf_counter())
+        phases = ("pause", "send", "reset_resume")
+        self.last_phases = {name: marks[i + 1] - marks[i] for i, name in enumerate(phases)}
+        return marks[-1] - marks[0]
