@@ -29,7 +29,7 @@ from benchmarks.report import markdown_table, png_path, update_readme, write_jso
 from trl_async.gloo_transfer import open_group, receive_buckets, send_buckets  # noqa: E402
 from trl_async.tiny import save_tiny_model  # noqa: E402
 from trl_async.vllm_client import VLLMServer  # noqa: E402
-from trl_async.vllm_weights import VLLMWeightPusher, _free_port, update_info  # noqa: E402
+from trl_async.vllm_weights import VLLMWeightPusher, free_port, update_info  # noqa: E402
 from trl_async.weight_sync import iter_policy_buckets, policy_specs  # noqa: E402
 
 SIZES = {"0.4M": dict(hidden_size=128, num_layers=2, num_heads=2), "10M": dict(hidden_size=512, num_layers=4, num_heads=8),
@@ -47,7 +47,7 @@ def _raw_receiver(port: int, info: dict, rounds: int) -> None:
 def raw_broadcast_s(model, rounds: int) -> list[float]:
     """The transport alone: the same buckets over gloo to a receiver that only unpacks them."""
     specs = policy_specs(model, persistent_only=True)
-    port, ctx = _free_port(), multiprocessing.get_context("spawn")
+    port, ctx = free_port(), multiprocessing.get_context("spawn")
     child = ctx.Process(target=_raw_receiver, args=(port, update_info(specs), rounds))
     child.start()
     group = open_group("127.0.0.1", port, 0, 2, 120)

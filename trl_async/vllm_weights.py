@@ -28,7 +28,8 @@ from .vllm_client import VLLMServer
 Buckets = Iterable[Sequence[tuple[str, torch.Tensor]]]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port nothing listens on now (for a rendezvous store)."""
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
@@ -84,7 +85,7 @@ class GlooSender:
         self.client = client
         init_info = {
             "master_address": host,
-            "master_port": _free_port(),
+            "master_port": free_port(),
             "world_size": client.world_size,
             "bucket_bytes": bucket_bytes,
             "timeout_s": timeout_s,
@@ -137,7 +138,7 @@ class NCCLSender:
         self.source = source_cls(specs)
         init_info = NCCLTrainerInitInfo(
             master_address=host or socket.gethostbyname(socket.gethostname()),
-            master_port=_free_port(),
+            master_port=free_port(),
             world_size=client.world_size,
             rank=0,
         )
