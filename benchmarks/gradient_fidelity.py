@@ -26,8 +26,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import cpu_demo  # noqa: E402
 import report  # noqa: E402
+import tiny_demo  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
 
@@ -71,7 +71,7 @@ def sample_batch(trainer, behaviour, prompts: list[str], generator_seed: int) ->
     for i, (c, lp) in enumerate(zip(completions, logps, strict=True)):
         completion_ids[i, : len(c)], mask[i, : len(c)], mu[i, : len(c)] = torch.tensor(c), 1, torch.tensor(lp)
     texts = tok.batch_decode(completion_ids, skip_special_tokens=True)
-    rewards = torch.tensor(cpu_demo.spelling_reward(None, texts)).view(-1, g)
+    rewards = torch.tensor(tiny_demo.spelling_reward(None, texts)).view(-1, g)
     advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).view(-1)
     prompt_ids = torch.tensor([list(t.prompt_ids) for t in tasks for _ in range(g)])  # equal lengths: no padding
     return {
@@ -112,13 +112,13 @@ def main() -> None:
     repeats, ref_batches, prompts_per_batch = (3, 4, 16) if cli.quick else (8, 16, 32)
 
     work = tempfile.mkdtemp(prefix="grad_fidelity_")
-    model_dir = str(save_tiny_model(os.path.join(work, "model"), chars=cpu_demo.VOCAB))
-    settings = {**cpu_demo.DEMO_DEFAULTS, "output_dir": os.path.join(work, "out"), "max_steps": train_steps}
+    model_dir = str(save_tiny_model(os.path.join(work, "model"), chars=tiny_demo.VOCAB))
+    settings = {**tiny_demo.DEMO_DEFAULTS, "output_dir": os.path.join(work, "out"), "max_steps": train_steps}
     settings.update(learning_rate=cli.lr, max_staleness=0, logging_steps=100)
     versions = Versions()
-    dataset = cpu_demo.make_dataset()
+    dataset = tiny_demo.make_dataset()
     trainer = AsyncGRPOTrainer(
-        model=model_dir, reward_funcs=cpu_demo.spelling_reward, args=AsyncGRPOConfig(**settings),
+        model=model_dir, reward_funcs=tiny_demo.spelling_reward, args=AsyncGRPOConfig(**settings),
         train_dataset=dataset, callbacks=[versions],
     )  # fmt: skip
     trainer.train()

@@ -75,9 +75,9 @@ def slope_per_100(samples: list[dict], key: str) -> float:
 
 
 def main() -> None:
-    import cpu_demo
     import matplotlib
     import report
+    import tiny_demo
 
     from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
     from trl_async.tiny import save_tiny_model
@@ -86,11 +86,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600)
     cli = parser.parse_args()
     work = tempfile.mkdtemp(prefix="soak_")
-    model_dir = str(save_tiny_model(os.path.join(work, "m"), hidden_size=64, num_layers=2, chars=cpu_demo.VOCAB))
-    settings = {**cpu_demo.DEMO_DEFAULTS, "output_dir": os.path.join(work, "o"), "max_steps": cli.steps,
+    model_dir = str(save_tiny_model(os.path.join(work, "m"), hidden_size=64, num_layers=2, chars=tiny_demo.VOCAB))
+    settings = {**tiny_demo.DEMO_DEFAULTS, "output_dir": os.path.join(work, "o"), "max_steps": cli.steps,
                 "logging_steps": 50, "disable_tqdm": True}  # fmt: skip
-    trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=cpu_demo.spelling_reward,
-                               args=AsyncGRPOConfig(**settings), train_dataset=cpu_demo.make_dataset())  # fmt: skip
+    trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=tiny_demo.spelling_reward,
+                               args=AsyncGRPOConfig(**settings), train_dataset=tiny_demo.make_dataset())  # fmt: skip
     sampler = Sampler(trainer)
     trainer.add_callback(sampler)
     start = time.time()

@@ -25,8 +25,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import cpu_demo  # noqa: E402
 import report  # noqa: E402
+import tiny_demo  # noqa: E402
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
@@ -45,15 +45,15 @@ class WallClock(TrainerCallback):
 
 
 def run(model_dir: str, staleness: int, mode: str, seed: int, steps: int, lr: float, out: str) -> dict:
-    settings = {**cpu_demo.DEMO_DEFAULTS, "output_dir": out, "max_steps": steps, "learning_rate": lr, "seed": seed}
+    settings = {**tiny_demo.DEMO_DEFAULTS, "output_dir": out, "max_steps": steps, "learning_rate": lr, "seed": seed}
     settings.update(logging_steps=5, max_staleness=staleness, weight_sync_steps=staleness + 1)
     args = AsyncGRPOConfig(**settings, off_policy_correction=mode)
     clock = WallClock()
     trainer = AsyncGRPOTrainer(
         model=model_dir,
-        reward_funcs=cpu_demo.spelling_reward,
+        reward_funcs=tiny_demo.spelling_reward,
         args=args,
-        train_dataset=cpu_demo.make_dataset(),
+        train_dataset=tiny_demo.make_dataset(),
         callbacks=[clock],
     )
     trainer.train()
@@ -116,7 +116,7 @@ def main() -> None:
     modes = ["none", "tis", "decoupled"]
     seeds = range(1 if cli.quick else cli.seeds)
     work = tempfile.mkdtemp(prefix="staleness_sweep_")
-    model_dir = str(save_tiny_model(os.path.join(work, "model"), chars=cpu_demo.VOCAB))
+    model_dir = str(save_tiny_model(os.path.join(work, "model"), chars=tiny_demo.VOCAB))
     results = []
     for seed in seeds:
         for staleness in staleness_values:
@@ -139,7 +139,7 @@ def main() -> None:
     table = report.markdown_table(
         ["max_staleness", "correction", "mean staleness", "final reward", "range over seeds", "ESS", "truncated",
          "masked"], rows)  # fmt: skip
-    meta = {"steps": cli.steps, "lr": cli.lr, "seeds": list(seeds), "task": "cpu_demo spelling"}
+    meta = {"steps": cli.steps, "lr": cli.lr, "seeds": list(seeds), "task": "tiny_demo spelling"}
     report.write_json("staleness_sweep", {"settings": meta, "results": results})
     plot(results, modes, staleness_values, report.png_path("staleness_sweep"))
     command = "python benchmarks/staleness_sweep.py" + (" --quick" if cli.quick else "")

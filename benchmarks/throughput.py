@@ -164,7 +164,7 @@ def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, 
         disable_tqdm=True, gradient_checkpointing=False,
         generation_kwargs={"min_new_tokens": regime.completion} if regime.forced else None,
     )  # fmt: skip
-    if task is not None:  # the learning-curve task (cpu_demo's spelling) overrides model-free settings
+    if task is not None:  # the learning-curve task (tiny_demo's spelling) overrides model-free settings
         common.update(task["settings"], max_steps=warmup + steps, output_dir=common["output_dir"], seed=seed,
                       logging_steps=1, disable_tqdm=True, generation_kwargs=None)  # fmt: skip
     reward = task["reward"] if task else make_reward(regime.reward_delay_s)
@@ -259,15 +259,15 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def learning_curves(steps: int) -> dict:
-    """Reward vs wall-clock on cpu_demo's task: sync GRPOTrainer (2 threads) vs async (max_staleness 1), same seed."""
-    import cpu_demo
+    """Reward vs wall-clock on tiny_demo's task: sync GRPOTrainer (2 threads) vs async (max_staleness 1), same seed."""
+    import tiny_demo
 
     from trl_async.tiny import save_tiny_model
 
-    model_dir = str(save_tiny_model(tempfile.mkdtemp(prefix="lc_"), chars=cpu_demo.VOCAB))
-    settings = {k: v for k, v in cpu_demo.DEMO_DEFAULTS.items() if k not in ("max_staleness", "num_rollout_workers")}
-    task = dict(reward=cpu_demo.spelling_reward, dataset=cpu_demo.make_dataset(), settings=settings)
-    regime = Regime("learning", "cpu_demo task", 64, 2, settings["max_completion_length"], forced=False)
+    model_dir = str(save_tiny_model(tempfile.mkdtemp(prefix="lc_"), chars=tiny_demo.VOCAB))
+    settings = {k: v for k, v in tiny_demo.DEMO_DEFAULTS.items() if k not in ("max_staleness", "num_rollout_workers")}
+    task = dict(reward=tiny_demo.spelling_reward, dataset=tiny_demo.make_dataset(), settings=settings)
+    regime = Regime("learning", "tiny_demo task", 64, 2, settings["max_completion_length"], forced=False)
     curves = {}
     for name, kind, threads in (("sync (2 threads)", "sync", 2), ("async (max_staleness 1)", "async", 1)):
         r = run_one(regime, model_dir, kind, steps, warmup=0, threads=threads, staleness=1, task=task)
@@ -326,7 +326,7 @@ def plots(rows: list[dict], curves: dict) -> None:
         ts, rs = zip(*c["rewards"], strict=True)
         smooth = [statistics.fmean(rs[max(0, i - 9) : i + 1]) for i in range(len(rs))]
         ax.plot(ts, smooth, label=name)
-    ax.set(xlabel="wall-clock s (from train() start)", ylabel="batch reward (10-step mean)", title="cpu_demo task")
+    ax.set(xlabel="wall-clock s (from train() start)", ylabel="batch reward (10-step mean)", title="tiny_demo task")
     ax.legend()
     fig.tight_layout()
     fig.savefig(report.png_path("throughput_reward"), dpi=110)
@@ -403,7 +403,7 @@ def main() -> None:
         "Async: trainer 1 thread + workers 1 thread each. 'efficiency' = (single-core work ÷ cores) ÷ wall time; "
         "'vs best sync' = best synchronous wall ÷ this wall; 'separate-device ideal' = (G+T)/max(G,T).\n\n"
         f"{regimes}\n\n{table}\n\nSimulator (`benchmarks/simulate.py`) fed this run's measured generate-call and "
-        f"step times:\n\n{sim_table}\n\nLearning on the cpu_demo task ({curve_steps} steps, same seed), mean "
+        f"step times:\n\n{sim_table}\n\nLearning on the tiny_demo task ({curve_steps} steps, same seed), mean "
         f"reward of the last 20 steps: "
         + ", ".join(f"{k} {v:.2f} in {curves[k]['wall_s']:.0f} s" for k, v in final.items())
         + "\n\n![](results/throughput.png)\n![](results/throughput_reward.png)\n![](results/throughput_timeline.png)",

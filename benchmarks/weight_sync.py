@@ -106,16 +106,16 @@ def measure(out_path: str, sizes: list[str]) -> None:
 
 def demo_step_fraction() -> dict:
     """Mean weight-sync time over mean step time in a short CPU demo run (single process, 1 worker)."""
-    import cpu_demo
+    import tiny_demo
 
     from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
     from trl_async.tiny import save_tiny_model
 
     work = tempfile.mkdtemp(prefix="ws_demo_")
-    model_dir = str(save_tiny_model(os.path.join(work, "m"), chars=cpu_demo.VOCAB))
-    settings = {**cpu_demo.DEMO_DEFAULTS, "output_dir": os.path.join(work, "o"), "max_steps": 60, "logging_steps": 1}
-    trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=cpu_demo.spelling_reward,
-                               args=AsyncGRPOConfig(**settings), train_dataset=cpu_demo.make_dataset())  # fmt: skip
+    model_dir = str(save_tiny_model(os.path.join(work, "m"), chars=tiny_demo.VOCAB))
+    settings = {**tiny_demo.DEMO_DEFAULTS, "output_dir": os.path.join(work, "o"), "max_steps": 60, "logging_steps": 1}
+    trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=tiny_demo.spelling_reward,
+                               args=AsyncGRPOConfig(**settings), train_dataset=tiny_demo.make_dataset())  # fmt: skip
     trainer.train()
     logs = [h for h in trainer.state.log_history if "step_time" in h][5:]  # skip start-up
     sync = statistics.fmean(h.get("async/weight_sync_s", 0.0) for h in logs)

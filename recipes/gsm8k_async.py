@@ -22,6 +22,12 @@ can come from the YAML file given with ``--config`` and be overridden on the com
     # offline: a local JSON/JSONL file with `question` and `answer` columns (GSM8K's format)
     python recipes/gsm8k_async.py --config recipes/configs/gsm8k_async.yaml --dataset_path data/gsm8k_train.jsonl
 
+    # offline on 2 CPU cores: the same code path on SmolLM2-135M-Instruct (the default model when none is given) and
+    # the local arithmetic word problems (trl_async.arithmetic), held-out greedy accuracy at every evaluation
+    python recipes/gsm8k_async.py --config recipes/configs/arithmetic_cpu.yaml
+
+With ``--task arithmetic`` the data, rewards and held-out evaluation are ``trl_async.arithmetic``'s instead of GSM8K's.
+
 Rewards: ``correctness`` (1 if the last number of the completion equals the reference answer after "####") and
 ``format`` (1 if the completion ends with "#### <number>"). Both only parse strings with regular expressions; nothing
 generated is executed or evaluated.
@@ -37,7 +43,9 @@ from dataclasses import dataclass, field
 from datasets import load_dataset
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
-from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
+from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer, arithmetic
+from trl_async.evaluation import GreedyAccuracyCallback
+from trl_async.pretrained import smollm2_135m_instruct
 from trl_async.progress import print_summary, run_summary, samples_per_step
 
 SYSTEM_PROMPT = (
@@ -57,6 +65,14 @@ class GSM8KArguments(ScriptArguments):
         default=None, metadata={"help": "Local JSON/JSONL file with `question` and `answer` columns (offline use)"}
     )
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training rows"})
+    task: str = field(
+        default="gsm8k",
+        metadata={
+            "help": "'gsm8k', or 'arithmetic': word problems generated locally (trl_async.arithmetic), train and "
+            "held-out templates, greedy held-out accuracy logged at every evaluation"
+        },
+    )
+    heldout_size: int = field(default=64, metadata={"help": "Held-out problems for --task arithmetic"})
 
 
 def _to_number(text: str) -> float | None:
@@ -108,20 +124,33 @@ def load_gsm8k(args: GSM8KArguments):
 
 
 def main(script_args: GSM8KArguments, training_args: AsyncGRPOConfig, model_args: ModelConfig) -> dict:
+    if script_args.task not in ("gsm8k", "arithmetic"):
+        raise ValueError(f"--task {script_args.task!r}: choose 'gsm8k' or 'arithmetic'")
     training_args.model_init_kwargs = {
         "revision": model_args.model_revision,
         "attn_implementation": model_args.attn_implementation,
         "dtype": model_args.dtype,
         **(training_args.model_init_kwargs or {}),
     }
-    dataset = load_gsm8k(script_args)
+    model = model_args.model_name_or_path or smollm2_135m_instruct()
+    if script_args.task == "arithmetic":
+        dataset = arithmetic.make_split("train", script_args.max_train_samples or 512, seed=training_args.seed)
+        heldout = arithmetic.make_split("heldout", script_args.heldout_size, seed=training_args.seed)
+        rewards = [arithmetic.correctness_reward, arithmetic.format_reward]
+    else:
+        dataset, heldout, rewards = load_gsm8k(script_args), None, [correctness, format_reward]
     trainer = AsyncGRPOTrainer(
-        model=model_args.model_name_or_path,
-        reward_funcs=[correctness, format_reward],
+        model=model,
+        reward_funcs=rewards,
         args=training_args,
         train_dataset=dataset,
+        eval_dataset=heldout,
         peft_config=get_peft_config(model_args),
     )
+    accuracy = None
+    if heldout is not None:
+        accuracy = GreedyAccuracyCallback(trainer, heldout, arithmetic.correctness_reward)
+        trainer.add_callback(accuracy)
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     seconds = time.perf_counter() - start
@@ -130,7 +159,9 @@ def main(script_args: GSM8KArguments, training_args: AsyncGRPOConfig, model_args
         return {}
     processes = trainer.accelerator.num_processes
     summary = run_summary(trainer.state.log_history, seconds, samples_per_step(training_args, processes))
-    print_summary(f"GSM8K async GRPO ({model_args.model_name_or_path})", summary)
+    if accuracy is not None and accuracy.history:
+        summary["heldout_greedy_accuracy"] = dict(accuracy.history)  # step -> accuracy, at every evaluation
+    print_summary(f"{script_args.task} async GRPO ({model})", summary)
     return summary
 
 

@@ -24,6 +24,8 @@ BASE = dict(output_dir="/tmp/trl_async_cfg", report_to=[], bf16=False, use_cpu=T
         ("importance_sampling_cap", 1.0, "cap > 1"),
         ("importance_sampling_floor", 1.0, "floor in \\[0, 1\\)"),
         ("rollout_torch_threads", 0, "1 or more"),
+        ("rollout_nice", 20, "from 0 .* to 19"),
+        ("rollout_dtype", "int8", "bfloat16"),
         ("rollout_max_restarts", -1, "0 or more"),
         ("rollout_heartbeat_timeout_s", 1.0, "2 seconds or more"),
     ],
@@ -67,3 +69,38 @@ def test_weight_update_point_defaults_to_the_backends_cheap_one():
         AsyncGRPOConfig(**BASE, rollout_backend="vllm", rollout_weight_update="batch").resolved_weight_update
         == "batch"
     )
+
+
+def test_rollout_threads_default_to_the_cores_shared_among_workers(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    assert AsyncGRPOConfig(**BASE).resolved_rollout_threads == 5
+    assert AsyncGRPOConfig(**BASE, num_rollout_workers=2).resolved_rollout_threads == 2
+    assert AsyncGRPOConfig(**BASE, num_rollout_workers=8).resolved_rollout_threads == 1
+    assert AsyncGRPOConfig(**BASE, rollout_torch_threads=3).resolved_rollout_threads == 3
+
+
+def test_rollout_workers_on_the_cpu_get_the_lowest_priority_by_default():
+    assert AsyncGRPOConfig(**BASE).resolved_rollout_nice == 19
+    assert AsyncGRPOConfig(**BASE, rollout_nice=5).resolved_rollout_nice == 5
+    assert AsyncFields(rollout_device="cuda:1").resolved_rollout_nice == 0  # GPU workers need their launch thread
+
+
+def test_workers_generate_in_the_dtype_the_trainer_computes_in():
+    import torch
+
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    fields = AsyncFields()
+    assert fields.resolved_rollout_dtype(f32, bf16=True, fp16=False) == bf16  # autocast: matmuls in bf16
+    assert fields.resolved_rollout_dtype(f32, bf16=False, fp16=True) == f16
+    assert fields.resolved_rollout_dtype(f32, bf16=False, fp16=False) == f32
+    assert fields.resolved_rollout_dtype(bf16, bf16=True, fp16=False) == bf16  # bf16 weights stay bf16
+    assert AsyncFields(rollout_verify_weights=True).resolved_rollout_dtype(f32, True, False) == f32  # bit for bit
+    assert AsyncFields(rollout_dtype="float32").resolved_rollout_dtype(f32, True, False) == f32
+
+
+def test_rollout_dtype_is_for_transformers_workers_without_weight_hashing():
+    assert AsyncGRPOConfig(**BASE, rollout_dtype="bfloat16").rollout_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="rollout_dtype=.*vLLM server's dtype"):
+        AsyncGRPOConfig(**BASE, rollout_dtype="bfloat16", rollout_backend="vllm")
+    with pytest.raises(ValueError, match="rollout_verify_weights=True.*cannot reproduce"):
+        AsyncGRPOConfig(**BASE, rollout_dtype="bfloat16", rollout_verify_weights=True)

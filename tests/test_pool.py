@@ -37,6 +37,7 @@ def make_pool(
             tok.pad_token_id,
             weight_update="batch",
             torch_threads=1,
+            nice=0,
             seed=i,
             verify_weights=True,
         )

@@ -64,7 +64,7 @@ def test_recipe_parses_its_yaml_with_overrides_and_trains_on_a_local_file(tmp_pa
     assert summary["steps"] == 2
     assert 0.0 <= summary["reward_first"] <= 2.0 and summary["staleness_max"] <= 2
     assert (tmp_path / "out" / "model.safetensors").exists()  # the trained model was saved
-    assert "GSM8K async GRPO" in capsys.readouterr().out
+    assert "gsm8k async GRPO" in capsys.readouterr().out
 
 
 def test_recipe_parses_the_vllm_server_command_line():
@@ -85,3 +85,29 @@ def test_recipe_parses_the_vllm_server_command_line():
     with pytest.raises(ValueError, match="rollout_vllm_urls"):
         parser.parse_args_and_config(["--config", str(ROOT / "recipes/configs/gsm8k_async.yaml"), "--output_dir",
                                       "out", "--bf16", "false", "--rollout_vllm_urls", "localhost:8000"])  # fmt: skip
+
+
+@pytest.mark.real_model
+def test_recipe_runs_the_arithmetic_task_on_the_real_model(tmp_path, capsys):
+    """`--task arithmetic` with its YAML: SmolLM2-135M-Instruct (the default model), the local word problems, two
+    async steps, and the held-out greedy accuracy logged by the trainer's own evaluation."""
+    from trl import TrlParser
+
+    from trl_async import AsyncGRPOConfig
+    from trl_async.pretrained import smollm2_135m_instruct
+
+    parser = TrlParser((gsm8k_async.GSM8KArguments, AsyncGRPOConfig, gsm8k_async.ModelConfig))
+    script_args, training_args, model_args = parser.parse_args_and_config(
+        [
+            "--config", str(ROOT / "recipes/configs/arithmetic_cpu.yaml"), "--output_dir", str(tmp_path / "out"),
+            "--max_steps", "2", "--eval_steps", "2", "--heldout_size", "8", "--per_device_train_batch_size", "8",
+            "--num_generations", "4", "--per_device_eval_batch_size", "8", "--disable_tqdm", "true",
+        ]
+    )  # fmt: skip
+    assert script_args.task == "arithmetic" and model_args.model_name_or_path is None
+    summary = gsm8k_async.main(script_args, training_args, model_args)
+    assert summary["steps"] == 2 and list(summary["heldout_greedy_accuracy"]) == [2]
+    assert summary["heldout_greedy_accuracy"][2] in {k / 8 for k in range(9)}  # 8 problems, each right or wrong
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["num_hidden_layers"] == 30 and saved["vocab_size"] == 49_152  # the real model was trained
+    assert f"arithmetic async GRPO ({smollm2_135m_instruct()})" in capsys.readouterr().out

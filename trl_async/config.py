@@ -7,6 +7,7 @@ error names the field and the fix.
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field, fields
 from typing import Literal
@@ -15,6 +16,7 @@ import torch
 from trl import GRPOConfig
 
 ROLLOUT_BACKENDS = ("transformers", "vllm")
+ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_TRANSPORTS = ("auto", "nccl", "gloo")
 WEIGHT_UPDATE_POINTS = ("batch", "decode_step")
 OFF_POLICY_CORRECTIONS = ("decoupled", "tis", "mask", "seq_tis", "seq_mask", "none")
@@ -109,7 +111,31 @@ class AsyncFields:
             "workers, 'decode_step' for vLLM servers."
         },
     )
-    rollout_torch_threads: int = field(default=1, metadata={"help": "torch threads per rollout worker process."})
+    rollout_torch_threads: int | None = field(
+        default=None,
+        metadata={
+            "help": "torch threads per rollout worker process. Default: the cores this process may run on "
+            "(os.sched_getaffinity) divided among the workers, at least 1."
+        },
+    )
+    rollout_nice: int | None = field(
+        default=None,
+        metadata={
+            "help": "Scheduling niceness added to each rollout worker process (0-19; 19 = lowest priority). Default: "
+            "19 when the workers generate on the CPU (they fill the trainer's idle moments instead of competing "
+            "with it for the cores the two share), 0 on a GPU."
+        },
+    )
+    rollout_dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "dtype the rollout workers generate in ('float32', 'bfloat16', 'float16'). Default: the dtype "
+            "the trainer computes in: bfloat16 with `bf16=True` (float32 weights under autocast), float16 with "
+            "`fp16=True`, else the weights' dtype (and always the weights' dtype with rollout_verify_weights). A "
+            "precision other than the trainer's is corrected like staleness: behaviour log-probs come from the "
+            "worker, pi_prox from the trainer."
+        },
+    )
     rollout_timeout_s: float = field(
         default=300.0,
         metadata={
@@ -260,10 +286,33 @@ class AsyncFields:
             f"choose one of {WEIGHT_UPDATE_POINTS}, or None for the backend's default",
         )
         need(
-            isinstance(self.rollout_torch_threads, int) and self.rollout_torch_threads >= 1,
+            self.rollout_torch_threads is None
+            or (isinstance(self.rollout_torch_threads, int) and self.rollout_torch_threads >= 1),
             "rollout_torch_threads",
-            "set it to 1 or more",
+            "set it to 1 or more, or None for the cores available divided among the workers",
         )
+        need(
+            self.rollout_nice is None or (isinstance(self.rollout_nice, int) and 0 <= self.rollout_nice <= 19),
+            "rollout_nice",
+            "set a niceness from 0 (same priority as the trainer) to 19 (lowest), or None for the default",
+        )
+        need(
+            self.rollout_dtype is None or self.rollout_dtype in ROLLOUT_DTYPES,
+            "rollout_dtype",
+            f"choose one of {ROLLOUT_DTYPES}, or None for the trainer's dtype",
+        )
+        if self.rollout_dtype is not None:
+            need(
+                self.rollout_backend == "transformers",
+                "rollout_dtype",
+                "it sets the transformers workers' dtype; a vLLM server's dtype is its own `--dtype`. Set it to None",
+            )
+            need(
+                not self.rollout_verify_weights,
+                "rollout_verify_weights",
+                "workers converting weights to rollout_dtype cannot reproduce the trainer's bytes. Set one of them "
+                "back to its default",
+            )
         need(self.weight_sync_bucket_mb > 0, "weight_sync_bucket_mb", "set a positive size in MB")
         need(self.rollout_timeout_s > 0, "rollout_timeout_s", "set a positive number of seconds")
         need(self.rollout_max_restarts >= 0, "rollout_max_restarts", "set 0 or more (0: fail at the first loss)")
@@ -291,6 +340,28 @@ class AsyncFields:
                 UserWarning,
                 stacklevel=3,
             )
+
+    @property
+    def resolved_rollout_threads(self) -> int:
+        if self.rollout_torch_threads is not None:
+            return self.rollout_torch_threads
+        return max(1, len(os.sched_getaffinity(0)) // self.num_rollout_workers)
+
+    def resolved_rollout_dtype(self, weights: torch.dtype, bf16: bool, fp16: bool) -> torch.dtype:
+        """``rollout_dtype`` if set; else the dtype the trainer computes in (bf16/fp16 under mixed precision, where
+        the trainer's matmuls see its float32 weights rounded to that dtype), unless weights are verified bit for
+        bit."""
+        if self.rollout_dtype:
+            return getattr(torch, self.rollout_dtype)
+        if self.rollout_verify_weights or weights != torch.float32:
+            return weights
+        return torch.bfloat16 if bf16 else torch.float16 if fp16 else weights
+
+    @property
+    def resolved_rollout_nice(self) -> int:
+        if self.rollout_nice is not None:
+            return self.rollout_nice
+        return 19 if torch.device(self.rollout_device).type == "cpu" else 0
 
     @property
     def resolved_weight_update(self) -> str:

@@ -40,20 +40,57 @@ class WorkerSpec:
     pad_token_id: int
     weight_update: str  # "batch" | "decode_step"
     torch_threads: int
+    nice: int
     seed: int
     verify_weights: bool
 
 
-class _DecodeStepHook:
-    """A logits processor that changes nothing: it records, per decode step, the version of the weights whose forward
-    produced the logits, and (in-flight mode) adopts newer weights afterwards, so the next step uses them."""
+WARPER_FIELDS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
+NEUTRAL_WARPERS = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=None, typical_p=1.0, epsilon_cutoff=0.0,
+                       eta_cutoff=0.0, top_h=None)  # fmt: skip
 
-    def __init__(self, current_version: Callable[[], int], between_steps: Callable[[], None] | None) -> None:
+
+def split_sampling_warpers(model: torch.nn.Module, config: Any) -> tuple[Any, Any]:
+    """``(config without warpers, the warpers)``: the same sampling distribution, with the warpers (temperature,
+    top-k/p, min-p, ...) moved out of ``generate`` so the decode hook can apply them itself and see the final,
+    sampled-from scores. ``generate`` applies custom processors before its warpers, so this keeps the order."""
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    if not config.do_sample:
+        return config, LogitsProcessorList()
+    only_warpers = GenerationConfig(do_sample=True, **{f: getattr(config, f, None) for f in WARPER_FIELDS})
+    warpers = model._get_logits_processor(generation_config=only_warpers, logits_processor=LogitsProcessorList())
+    stripped = copy.deepcopy(config)
+    for name, value in NEUTRAL_WARPERS.items():
+        setattr(stripped, name, value)
+    return stripped, warpers
+
+
+class _DecodeStepHook:
+    """The last logits processor of ``generate``. Per decode step it applies the sampling warpers, records the version
+    of the weights whose forward produced the logits, and keeps log-softmax of the final scores until the next step
+    reveals which token was sampled from them: behaviour log-probs cost O(rows x steps) memory, never one
+    full-vocabulary score tensor per step. In in-flight mode it adopts newer weights afterwards, so the next step
+    uses them."""
+
+    def __init__(self, warpers, current_version: Callable[[], int], between_steps: Callable[[], None] | None) -> None:
+        self.warpers = warpers
         self.current_version = current_version
         self.between_steps = between_steps
         self.step_versions: list[int] = []
+        self.step_logprobs: list[torch.Tensor] = []  # (rows,) per step, float32
+        self._pending: torch.Tensor | None = None  # log-softmax of the last step's final scores
+
+    def take_sampled(self, sampled: torch.Tensor) -> None:
+        """Log-prob of the tokens sampled from the pending step's distribution."""
+        if self._pending is not None:
+            self.step_logprobs.append(self._pending.gather(-1, sampled.view(-1, 1)).squeeze(-1).cpu())
+            self._pending = None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.take_sampled(input_ids[:, -1])  # the previous step's token is now the last input
+        scores = self.warpers(input_ids, scores)
+        self._pending = torch.log_softmax(scores.float(), dim=-1)
         self.step_versions.append(self.current_version())
         if self.between_steps is not None:
             self.between_steps()
@@ -74,7 +111,8 @@ def generate_groups(
     """Generate ``num_generations`` completions for each task in one ``generate`` call.
 
     Completions are cut after their first EOS (kept), as GRPOTrainer does. ``logprobs`` are behaviour log-probs (mu)
-    taken from the processed scores, i.e. from the distribution the token was sampled from.
+    taken from the final processed scores, i.e. from the distribution the token was sampled from, one decode step at
+    a time (see ``_DecodeStepHook``).
     """
     from transformers import LogitsProcessorList
 
@@ -87,24 +125,28 @@ def generate_groups(
         input_ids[i, width - len(r) :] = torch.tensor(r)
         attention_mask[i, width - len(r) :] = 1
 
-    config = copy.deepcopy(generation_config)
-    config.output_scores = True
-    config.return_dict_in_generate = True
-    hook = _DecodeStepHook(current_version, between_steps)
+    config, warpers = split_sampling_warpers(model, generation_config)
+    config = copy.deepcopy(config)
+    config.output_scores = False  # full-vocabulary scores per step: T x N x V floats (GBs at a 152k vocabulary)
+    config.return_dict_in_generate = False
+    hook = _DecodeStepHook(warpers, current_version, between_steps)
     started_at, start = time.time(), time.perf_counter()
     with torch.no_grad():
-        out = model.generate(
+        sequences = model.generate(
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
             generation_config=config,
             logits_processor=LogitsProcessorList([hook]),
         )
+        hook.take_sampled(sequences[:, -1])
     elapsed = time.perf_counter() - start
-    tokens_NT = out.sequences[:, width:].cpu()
-    scores_NTV = torch.stack(out.scores, dim=1).float().cpu()  # processed logits of each step
-    logprobs_NT = torch.log_softmax(scores_NTV, dim=-1).gather(-1, tokens_NT.unsqueeze(-1)).squeeze(-1)
-    if len(hook.step_versions) != tokens_NT.size(1):
-        raise RuntimeError(f"decode hook saw {len(hook.step_versions)} steps for {tokens_NT.size(1)} tokens")
+    tokens_NT = sequences[:, width:].cpu()
+    if not (len(hook.step_versions) == len(hook.step_logprobs) == tokens_NT.size(1)):
+        raise RuntimeError(
+            f"decode hook saw {len(hook.step_versions)} steps ({len(hook.step_logprobs)} log-probs) for "
+            f"{tokens_NT.size(1)} tokens"
+        )
+    logprobs_NT = torch.stack(hook.step_logprobs, dim=1) if hook.step_logprobs else torch.zeros(len(rows), 0)
 
     eos = torch.tensor(list(eos_token_ids))
     completions, logps, versions = [], [], []
@@ -161,6 +203,8 @@ def worker_main(spec: WorkerSpec, weights: SharedMemoryWeights, tasks, results, 
     a ``None`` task; reports any exception as ``WorkerFailed`` and exits."""
     threading.Thread(target=_beat, args=(heartbeat,), name="trl_async-heartbeat", daemon=True).start()
     try:
+        if spec.nice:
+            os.nice(spec.nice)
         torch.set_num_threads(spec.torch_threads)
         torch.manual_seed(spec.seed)
         model = build_policy_copy(spec)

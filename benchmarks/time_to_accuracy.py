@@ -1,0 +1,277 @@
+"""Time to accuracy on a real model: held-out greedy accuracy against wall-clock seconds, sync vs async.
+
+SmolLM2-135M-Instruct (``trl_async.pretrained``) on the arithmetic word problems (``trl_async.arithmetic``): every
+configuration trains the same number of steps on the same prompts (train split seeded by the run's seed) and is
+measured on the same held-out problems (other templates), greedy, every ``--eval_every`` steps and before training.
+Each run is its own process, launched fresh (start-up included in the clock: model load, worker start), and runs are
+interleaved (seed 0: A B C ..., seed 1: A B C ...) so that machine drift hits every configuration alike.
+
+The clock excludes the held-out evaluations themselves (identical work on both sides). It does not stop the async
+workers while the trainer evaluates: they may use those seconds to generate ahead, within ``max_staleness``; the
+README states how much that can be worth.
+
+    python benchmarks/time_to_accuracy.py                              # every configuration, 3 seeds
+    python benchmarks/time_to_accuracy.py --configs sync async --seeds 0 --steps 6 --eval_every 0   # step times only
+
+Writes benchmarks/results/<name>.{json,png} and the table in benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# name -> (environment of the run's process, trainer threads, trainer kind, config overrides)
+PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
+CONFIGS: dict[str, dict] = {
+    # TRL's GRPOTrainer with its defaults (bf16 autocast, gradient checkpointing): its best configuration on 2 cores
+    # (measured, benchmarks/README.md: float32 is 1.9x slower, 1 thread and 2-process DDP slower still)
+    "sync": dict(kind="sync", threads=2, env={}),
+    "sync_passive": dict(kind="sync", threads=2, env=PASSIVE),
+    "sync_fp32": dict(kind="sync", threads=2, env={}, train=dict(bf16=False, gradient_checkpointing=False)),
+    "sync_fp32_gc": dict(kind="sync", threads=2, env={}, train=dict(bf16=False)),
+    "sync_bf16_nogc": dict(kind="sync", threads=2, env={}, train=dict(gradient_checkpointing=False)),
+    # AsyncGRPOTrainer with its defaults (trainer all cores, workers at nice 19 with all cores, bf16 workers)
+    "async": dict(kind="async", threads=2, env=PASSIVE),
+    # how the cores are split
+    "async_active": dict(kind="async", threads=2, env={}),
+    "async_1+1": dict(kind="async", threads=1, env={}, overrides=dict(rollout_torch_threads=1, rollout_nice=0)),
+    "async_2+1": dict(kind="async", threads=2, env=PASSIVE, overrides=dict(rollout_torch_threads=1)),
+    "async_nice0": dict(kind="async", threads=2, env=PASSIVE, overrides=dict(rollout_nice=0)),
+    "async_fp32_workers": dict(kind="async", threads=2, env=PASSIVE, overrides=dict(rollout_dtype="float32")),
+    # staleness and workers
+    "async_s2": dict(kind="async", threads=2, env=PASSIVE, overrides=dict(max_staleness=2)),
+    "async_s4": dict(kind="async", threads=2, env=PASSIVE, overrides=dict(max_staleness=4)),
+    "async_2w": dict(kind="async", threads=2, env=PASSIVE, overrides=dict(num_rollout_workers=2)),
+}
+TASK = dict(  # the CPU demo's settings (recipes/cpu_demo.py)
+    learning_rate=2e-5,
+    per_device_train_batch_size=16,
+    num_generations=8,
+    max_completion_length=32,
+    temperature=0.7,
+    beta=0.0,
+    logging_steps=1,
+    save_strategy="no",
+    report_to=[],
+    use_cpu=True,
+    disable_tqdm=True,
+)
+HELDOUT = dict(n=48, seed=1000)  # the same held-out problems for every run
+
+
+def run_one(spec: dict) -> dict:
+    """One training run in this process (the driver sets its environment). Returns its curve and metrics."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
+    from trl_async.arithmetic import correctness_reward, format_reward, make_split
+    from trl_async.evaluation import greedy_accuracy
+    from trl_async.pretrained import smollm2_135m_instruct
+
+    launched, eval_seconds = spec["launched_at"], [0.0]
+    curve: list[dict] = []
+    heldout = make_split("heldout", HELDOUT["n"], seed=HELDOUT["seed"])
+
+    def evaluate(trainer, step: int) -> None:
+        start = time.time()
+        accuracy = greedy_accuracy(trainer, heldout, correctness_reward)
+        curve.append({"step": step, "seconds": start - launched - eval_seconds[0], "accuracy": accuracy})
+        eval_seconds[0] += time.time() - start
+
+    class EvalEvery(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if spec["eval_every"] and state.global_step % spec["eval_every"] == 0:
+                evaluate(trainer, state.global_step)
+
+    settings = {**TASK, **spec.get("train", {}), "output_dir": spec["output_dir"], "max_steps": spec["steps"],
+                "seed": spec["seed"]}  # fmt: skip
+    if spec["kind"] == "sync":
+        args, cls = GRPOConfig(**settings), GRPOTrainer
+    else:
+        args, cls = AsyncGRPOConfig(**settings, **spec.get("overrides", {})), AsyncGRPOTrainer
+    trainer = cls(
+        model=smollm2_135m_instruct(),
+        reward_funcs=[correctness_reward, format_reward],
+        args=args,
+        train_dataset=make_split("train", 512, seed=spec["seed"]),
+        callbacks=[EvalEvery()],
+    )
+    if spec["eval_every"]:
+        evaluate(trainer, 0)
+    before_train = eval_seconds[0]
+    train_start = time.time()
+    trainer.train()
+    end = time.time()
+    train_evals = eval_seconds[0] - before_train
+    if spec["eval_every"] and spec["steps"] % spec["eval_every"]:
+        evaluate(trainer, spec["steps"])
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    completion_tokens = sum(h["completions/mean_length"] * TASK["per_device_train_batch_size"] for h in logs)
+    mean = lambda key: statistics.fmean(h[key] for h in logs) if logs and key in logs[0] else None  # noqa: E731
+    return {
+        "curve": curve,
+        "startup_s": train_start - launched - before_train,
+        "train_s": end - train_start - train_evals,
+        "end_to_end_s": end - launched - before_train - train_evals,
+        "eval_s": eval_seconds[0],
+        "completion_tokens": completion_tokens,
+        "reward_first4": statistics.fmean(h["reward"] for h in logs[:4]),
+        "reward_last4": statistics.fmean(h["reward"] for h in logs[-4:]),
+        "step_s": [h.get("step_time") for h in logs],
+        "staleness_mean": mean("async/staleness_mean"),
+        "ess_mean": mean("is/ess"),
+        "kl_behaviour_mean": mean("is/kl_behaviour"),
+        "trainer_wait_s_mean": mean("async/trainer_wait_s"),
+        "weight_sync_s_mean": mean("async/weight_sync_s"),
+        "dropped_stale": logs[-1].get("async/dropped_stale") if logs else None,
+    }
+
+
+def launch(name: str, seed: int, steps: int, eval_every: int, work: str) -> dict:
+    config = CONFIGS[name]
+    out = Path(work) / f"{name}-{seed}.json"
+    spec = {**config, "seed": seed, "steps": steps, "eval_every": eval_every,
+            "output_dir": str(Path(work) / f"out-{name}-{seed}"), "launched_at": time.time()}  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": str(config["threads"]), "TOKENIZERS_PARALLELISM": "false",
+           **config["env"]}  # fmt: skip
+    if "OMP_WAIT_POLICY" not in config["env"]:
+        env.pop("OMP_WAIT_POLICY", None)
+    cmd = [sys.executable, __file__, "--run", json.dumps(spec), "--result", str(out)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} seed {seed} failed:\n{done.stderr[-4000:]}")
+    return {"config": name, "seed": seed, **json.loads(out.read_text())}
+
+
+def first_time_at(curve: list[dict], target: float) -> float | None:
+    """Seconds of the first evaluation whose accuracy reaches ``target`` (None if none does)."""
+    return next((p["seconds"] for p in curve if p["accuracy"] >= target - 1e-9), None)
+
+
+def summarise(runs: list[dict], configs: list[str]) -> tuple[list[dict], float | None]:
+    by = {c: [r for r in runs if r["config"] == c] for c in configs}
+    sync_final = [r["curve"][-1]["accuracy"] for r in by.get("sync", []) if r["curve"]]
+    target = statistics.fmean(sync_final) if sync_final else None
+    sync_tps = (
+        statistics.fmean(r["completion_tokens"] / r["end_to_end_s"] for r in by["sync"]) if by.get("sync") else None
+    )
+    sync_tta = None
+    rows = []
+    for c in configs:
+        rs = by[c]
+        finals = [r["curve"][-1]["accuracy"] for r in rs if r["curve"]]
+        times = [first_time_at(r["curve"], target) for r in rs] if target is not None and finals else []
+        reached = [t for t in times if t is not None]
+        tta = statistics.fmean(reached) if reached and len(reached) == len(times) else None
+        if c == "sync":
+            sync_tta = tta
+        tps = statistics.fmean(r["completion_tokens"] / r["end_to_end_s"] for r in rs)
+
+        def pick(key: str, rs=rs) -> float | None:
+            return statistics.fmean(r[key] for r in rs) if rs[0][key] is not None else None
+
+        rows.append({
+            "config": c, "seeds": len(rs),
+            "end_to_end_s": statistics.fmean(r["end_to_end_s"] for r in rs),
+            "startup_s": statistics.fmean(r["startup_s"] for r in rs),
+            "tokens_per_s": tps, "tokens_per_s_vs_sync": tps / sync_tps if sync_tps else None,
+            "final_accuracy_mean": statistics.fmean(finals) if finals else None,
+            "final_accuracy_std": statistics.pstdev(finals) if len(finals) > 1 else 0.0,
+            "time_to_sync_final_s": tta, "reached": f"{len(reached)}/{len(times)}" if times else "-",
+            "staleness_mean": pick("staleness_mean"), "ess_mean": pick("ess_mean"),
+            "kl_behaviour_mean": pick("kl_behaviour_mean"), "trainer_wait_s": pick("trainer_wait_s_mean"),
+        })  # fmt: skip
+    for row in rows:
+        tta = row["time_to_sync_final_s"]
+        row["time_to_accuracy_vs_sync"] = tta / sync_tta if tta is not None and sync_tta else None
+    return rows, target
+
+
+def plot(runs: list[dict], configs: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for c in configs:
+        rs = [r for r in runs if r["config"] == c and r["curve"]]
+        if not rs:
+            continue
+        n = min(len(r["curve"]) for r in rs)
+        x = np.mean([[p["seconds"] for p in r["curve"][:n]] for r in rs], axis=0)
+        y = np.array([[p["accuracy"] for p in r["curve"][:n]] for r in rs])
+        ax.plot(x, y.mean(0), marker="o", label=f"{c} ({len(rs)} seeds)")
+        ax.fill_between(x, y.min(0), y.max(0), alpha=0.15)
+    ax.set(xlabel="wall-clock seconds from launch (evaluations excluded)", ylabel="held-out greedy accuracy",
+           title="SmolLM2-135M-Instruct, arithmetic word problems, 2 CPU cores")  # fmt: skip
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--configs", nargs="+", default=["sync", "async", "async_s2", "async_s4", "async_2w"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--eval_every", type=int, default=4, help="0: no evaluation (step times only)")
+    parser.add_argument("--name", default="time_to_accuracy")
+    parser.add_argument("--run", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    cli = parser.parse_args()
+    if cli.run:
+        Path(cli.result).write_text(json.dumps(run_one(json.loads(cli.run))))
+        return
+    sys.path.insert(0, str(HERE))
+    import report
+
+    from trl_async.pretrained import smollm2_135m_instruct
+
+    smollm2_135m_instruct()  # fetch and convert once, outside every run's clock
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="tta_") as work:
+        for seed in cli.seeds:  # interleaved
+            for name in cli.configs:
+                run = launch(name, seed, cli.steps, cli.eval_every, work)
+                runs.append(run)
+                print(f"{name} seed {seed}: {run['end_to_end_s']:.0f} s, {run['completion_tokens']:.0f} tokens, "
+                      f"final {run['curve'][-1]['accuracy'] if run['curve'] else '-'}", flush=True)  # fmt: skip
+    rows, target = summarise(runs, cli.configs)
+    meta = {"steps": cli.steps, "eval_every": cli.eval_every, "seeds": cli.seeds, "task": TASK, "heldout": HELDOUT,
+            "sync_final_accuracy": target}  # fmt: skip
+    report.write_json(cli.name, {"meta": meta, "rows": rows, "runs": runs})
+    header = ["config", "seeds", "end-to-end s", "start-up s", "tokens/s", "× sync", "final acc", "± sd",
+              "s to sync's final", "reached", "× sync time", "staleness", "ESS", "KL(μ‖π_prox)", "trainer wait s"]  # fmt: skip
+    table = report.markdown_table(header, [[
+        r["config"], r["seeds"], r["end_to_end_s"], r["startup_s"], r["tokens_per_s"], r["tokens_per_s_vs_sync"] or "-",
+        r["final_accuracy_mean"] if r["final_accuracy_mean"] is not None else "-", r["final_accuracy_std"],
+        r["time_to_sync_final_s"] or "-", r["reached"], r["time_to_accuracy_vs_sync"] or "-",
+        r["staleness_mean"] if r["staleness_mean"] is not None else "-", r["ess_mean"] or "-",
+        r["kl_behaviour_mean"] if r["kl_behaviour_mean"] is not None else "-", r["trainer_wait_s"] or "-"]
+        for r in rows])  # fmt: skip
+    print(table)
+    if cli.eval_every:
+        plot(runs, cli.configs, report.png_path(cli.name))
+    header_note = (f"{cli.steps} steps, seeds {cli.seeds}, held-out accuracy every {cli.eval_every} steps; sync's "
+                   f"final accuracy (the target): {target}")  # fmt: skip
+    report.update_readme(cli.name, f"{header_note}\n\n{table}")
+
+
+if __name__ == "__main__":
+    main()
