@@ -6,9 +6,8 @@ measured on the same held-out problems (other templates), greedy, every ``--eval
 Each run is its own process, launched fresh (start-up included in the clock: model load, worker start), and runs are
 interleaved (seed 0: A B C ..., seed 1: A B C ...) so that machine drift hits every configuration alike.
 
-The clock excludes the held-out evaluations themselves (identical work on both sides). It does not stop the async
-workers while the trainer evaluates: they may use those seconds to generate ahead, within ``max_staleness``; the
-README states how much that can be worth.
+The clock excludes the held-out evaluations themselves (identical work on both sides), and the async workers are
+paused (SIGSTOP) while the trainer evaluates, so they cannot use those seconds to generate ahead.
 
     python benchmarks/time_to_accuracy.py                              # every configuration, 3 seeds
     python benchmarks/time_to_accuracy.py --configs sync async --seeds 0 --steps 6 --eval_every 0   # step times only
@@ -21,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -35,11 +35,14 @@ PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
 CONFIGS: dict[str, dict] = {
     # TRL's GRPOTrainer with its defaults (bf16 autocast, gradient checkpointing): its best configuration on 2 cores
     # (measured, benchmarks/README.md: float32 is 1.9x slower, 1 thread and 2-process DDP slower still)
-    "sync": dict(kind="sync", threads=2, env={}),
-    "sync_passive": dict(kind="sync", threads=2, env=PASSIVE),
+    # OMP_WAIT_POLICY=PASSIVE on both sides by default (idle OpenMP threads sleep instead of spinning); it was as
+    # fast or faster for sync too (sync_active)
+    "sync": dict(kind="sync", threads=2, env=PASSIVE),
+    "sync_active": dict(kind="sync", threads=2, env={}),
     "sync_fp32": dict(kind="sync", threads=2, env={}, train=dict(bf16=False, gradient_checkpointing=False)),
     "sync_fp32_gc": dict(kind="sync", threads=2, env={}, train=dict(bf16=False)),
     "sync_bf16_nogc": dict(kind="sync", threads=2, env={}, train=dict(gradient_checkpointing=False)),
+    "sync_1thread": dict(kind="sync", threads=1, env=PASSIVE),
     # AsyncGRPOTrainer with its defaults (trainer all cores, workers at nice 19 with all cores, bf16 workers)
     "async": dict(kind="async", threads=2, env=PASSIVE),
     # how the cores are split
@@ -88,7 +91,15 @@ def run_one(spec: dict) -> dict:
 
     def evaluate(trainer, step: int) -> None:
         start = time.time()
-        accuracy = greedy_accuracy(trainer, heldout, correctness_reward)
+        pool = getattr(trainer, "rollout_pool", None)
+        paused = [p.pid for p in pool.processes if p.is_alive()] if pool is not None else []
+        for pid in paused:  # the clock skips evaluations: workers must not generate ahead for free meanwhile
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            accuracy = greedy_accuracy(trainer, heldout, correctness_reward)
+        finally:
+            for pid in paused:
+                os.kill(pid, signal.SIGCONT)
         curve.append({"step": step, "seconds": start - launched - eval_seconds[0], "accuracy": accuracy})
         eval_seconds[0] += time.time() - start
 
@@ -129,6 +140,7 @@ def run_one(spec: dict) -> dict:
         "end_to_end_s": end - launched - before_train - train_evals,
         "eval_s": eval_seconds[0],
         "completion_tokens": completion_tokens,
+        "tokens": logs[-1]["num_tokens"] if logs else 0,  # prompt + completion tokens trained on (TRL's count)
         "reward_first4": statistics.fmean(h["reward"] for h in logs[:4]),
         "reward_last4": statistics.fmean(h["reward"] for h in logs[-4:]),
         "step_s": [h.get("step_time") for h in logs],
@@ -137,6 +149,10 @@ def run_one(spec: dict) -> dict:
         "kl_behaviour_mean": mean("is/kl_behaviour"),
         "trainer_wait_s_mean": mean("async/trainer_wait_s"),
         "weight_sync_s_mean": mean("async/weight_sync_s"),
+        # decode steps spent on rows that had already finished, if the batch is one generate call: 1 - mean/max length
+        "finished_row_steps": statistics.fmean(
+            1 - h["completions/mean_length"] / h["completions/max_length"] for h in logs
+        ),
         "dropped_stale": logs[-1].get("async/dropped_stale") if logs else None,
     }
 
@@ -166,8 +182,11 @@ def summarise(runs: list[dict], configs: list[str]) -> tuple[list[dict], float |
     by = {c: [r for r in runs if r["config"] == c] for c in configs}
     sync_final = [r["curve"][-1]["accuracy"] for r in by.get("sync", []) if r["curve"]]
     target = statistics.fmean(sync_final) if sync_final else None
+    sync_runs = by.get("sync", [])
     sync_tps = (
-        statistics.fmean(r["completion_tokens"] / r["end_to_end_s"] for r in by["sync"]) if by.get("sync") else None
+        statistics.fmean(r["tokens"] / r["end_to_end_s"] for r in sync_runs)
+        if sync_runs and all(r.get("tokens") for r in sync_runs)
+        else None
     )
     sync_tta = None
     rows = []
@@ -179,23 +198,30 @@ def summarise(runs: list[dict], configs: list[str]) -> tuple[list[dict], float |
         tta = statistics.fmean(reached) if reached and len(reached) == len(times) else None
         if c == "sync":
             sync_tta = tta
-        tps = statistics.fmean(r["completion_tokens"] / r["end_to_end_s"] for r in rs)
+        tps = (
+            statistics.fmean(r["tokens"] / r["end_to_end_s"] for r in rs) if all(r.get("tokens") for r in rs) else None
+        )
 
         def pick(key: str, rs=rs) -> float | None:
-            return statistics.fmean(r[key] for r in rs) if rs[0][key] is not None else None
+            values = [r[key] for r in rs if r.get(key) is not None]
+            return statistics.fmean(values) if values else None
 
         rows.append({
             "config": c, "seeds": len(rs),
-            "end_to_end_s": statistics.fmean(r["end_to_end_s"] for r in rs),
-            "startup_s": statistics.fmean(r["startup_s"] for r in rs),
-            "tokens_per_s": tps, "tokens_per_s_vs_sync": tps / sync_tps if sync_tps else None,
+            "end_to_end_s": pick("end_to_end_s"), "startup_s": pick("startup_s"),
+            "steps_per_min": statistics.fmean(len(r["step_s"]) / r["end_to_end_s"] * 60 for r in rs),
+            "tokens_per_s": tps, "tokens_per_s_vs_sync": tps / sync_tps if sync_tps and tps else None,
+            "completion_tokens_per_s": statistics.fmean(r["completion_tokens"] / r["end_to_end_s"] for r in rs),
             "final_accuracy_mean": statistics.fmean(finals) if finals else None,
             "final_accuracy_std": statistics.pstdev(finals) if len(finals) > 1 else 0.0,
             "time_to_sync_final_s": tta, "reached": f"{len(reached)}/{len(times)}" if times else "-",
             "staleness_mean": pick("staleness_mean"), "ess_mean": pick("ess_mean"),
             "kl_behaviour_mean": pick("kl_behaviour_mean"), "trainer_wait_s": pick("trainer_wait_s_mean"),
+            "weight_sync_s": pick("weight_sync_s_mean"), "finished_row_steps": pick("finished_row_steps"),
         })  # fmt: skip
+    sync_row = next((row for row in rows if row["config"] == "sync"), None)
     for row in rows:
+        row["steps_per_min_vs_sync"] = row["steps_per_min"] / sync_row["steps_per_min"] if sync_row else None
         tta = row["time_to_sync_final_s"]
         row["time_to_accuracy_vs_sync"] = tta / sync_tta if tta is not None and sync_tta else None
     return rows, target
@@ -225,22 +251,7 @@ def plot(runs: list[dict], configs: list[str], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--configs", nargs="+", default=["sync", "async", "async_s2", "async_s4", "async_2w"])
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--eval_every", type=int, default=4, help="0: no evaluation (step times only)")
-    parser.add_argument("--name", default="time_to_accuracy")
-    parser.add_argument("--run", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    cli = parser.parse_args()
-    if cli.run:
-        Path(cli.result).write_text(json.dumps(run_one(json.loads(cli.run))))
-        return
-    sys.path.insert(0, str(HERE))
-    import report
-
+def collect(cli) -> list[dict]:
     from trl_async.pretrained import smollm2_135m_instruct
 
     smollm2_135m_instruct()  # fetch and convert once, outside every run's clock
@@ -252,18 +263,47 @@ def main() -> None:
                 runs.append(run)
                 print(f"{name} seed {seed}: {run['end_to_end_s']:.0f} s, {run['completion_tokens']:.0f} tokens, "
                       f"final {run['curve'][-1]['accuracy'] if run['curve'] else '-'}", flush=True)  # fmt: skip
+    return runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--configs", nargs="+", default=["sync", "async", "async_s2", "async_s4", "async_2w"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--eval_every", type=int, default=4, help="0: no evaluation (step times only)")
+    parser.add_argument("--name", default="time_to_accuracy")
+    parser.add_argument("--from_json", help="recompute the table and plot from a results JSON (no runs)")
+    parser.add_argument("--run", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    cli = parser.parse_args()
+    if cli.run:
+        Path(cli.result).write_text(json.dumps(run_one(json.loads(cli.run))))
+        return
+    sys.path.insert(0, str(HERE))
+    import report
+
+    if cli.from_json:
+        saved = json.loads(Path(cli.from_json).read_text())
+        runs, cli.configs = saved["runs"], list(dict.fromkeys(r["config"] for r in saved["runs"]))
+        cli.steps, cli.eval_every, cli.seeds = (saved["meta"][k] for k in ("steps", "eval_every", "seeds"))
+    else:
+        runs = collect(cli)
     rows, target = summarise(runs, cli.configs)
     meta = {"steps": cli.steps, "eval_every": cli.eval_every, "seeds": cli.seeds, "task": TASK, "heldout": HELDOUT,
             "sync_final_accuracy": target}  # fmt: skip
     report.write_json(cli.name, {"meta": meta, "rows": rows, "runs": runs})
-    header = ["config", "seeds", "end-to-end s", "start-up s", "tokens/s", "× sync", "final acc", "± sd",
-              "s to sync's final", "reached", "× sync time", "staleness", "ESS", "KL(μ‖π_prox)", "trainer wait s"]  # fmt: skip
+    header = ["config", "seeds", "end-to-end s", "start-up s", "steps/min", "× sync", "tokens/s", "× sync", "completion tok/s",
+              "final acc", "± sd", "s to sync's final", "reached", "× sync time", "staleness", "ESS",
+              "KL(μ‖π_prox)", "trainer wait s", "publish s", "finished-row steps"]  # fmt: skip
+    dash = lambda v: "-" if v is None else v  # noqa: E731
     table = report.markdown_table(header, [[
-        r["config"], r["seeds"], r["end_to_end_s"], r["startup_s"], r["tokens_per_s"], r["tokens_per_s_vs_sync"] or "-",
-        r["final_accuracy_mean"] if r["final_accuracy_mean"] is not None else "-", r["final_accuracy_std"],
-        r["time_to_sync_final_s"] or "-", r["reached"], r["time_to_accuracy_vs_sync"] or "-",
-        r["staleness_mean"] if r["staleness_mean"] is not None else "-", r["ess_mean"] or "-",
-        r["kl_behaviour_mean"] if r["kl_behaviour_mean"] is not None else "-", r["trainer_wait_s"] or "-"]
+        r["config"], r["seeds"], r["end_to_end_s"], r["startup_s"], r["steps_per_min"], dash(r["steps_per_min_vs_sync"]),
+        dash(r["tokens_per_s"]),
+        dash(r["tokens_per_s_vs_sync"]), r["completion_tokens_per_s"], dash(r["final_accuracy_mean"]),
+        r["final_accuracy_std"], dash(r["time_to_sync_final_s"]), r["reached"], dash(r["time_to_accuracy_vs_sync"]),
+        dash(r["staleness_mean"]), dash(r["ess_mean"]), dash(r["kl_behaviour_mean"]), dash(r["trainer_wait_s"]),
+        dash(r["weight_sync_s"]), dash(r["finished_row_steps"])]
         for r in rows])  # fmt: skip
     print(table)
     if cli.eval_every:

@@ -22,11 +22,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when torch loa
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 
+import torch  # noqa: E402
 from accelerate import PartialState  # noqa: E402
 from trl import TrlParser  # noqa: E402
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
 from trl_async.arithmetic import correctness_reward, format_reward, make_split  # noqa: E402
+from trl_async.config import available_cores  # noqa: E402
 from trl_async.evaluation import GreedyAccuracyCallback  # noqa: E402
 from trl_async.pretrained import smollm2_135m_instruct  # noqa: E402
 from trl_async.progress import print_summary, run_summary, samples_per_step  # noqa: E402
@@ -41,6 +43,10 @@ class DemoArguments:
 
 def main(demo: DemoArguments, args: AsyncGRPOConfig) -> dict:
     state = PartialState()
+    # the trainer takes every core it may run on (shared among the processes of a multi-process launch), the workers
+    # too but at the lowest priority (rollout_nice), filling the trainer's idle moments: the measured best split on
+    # 2 cores (benchmarks/README.md, "How the cores are split")
+    torch.set_num_threads(max(1, available_cores() // state.num_processes))
     with state.main_process_first():  # rank 0 fetches and converts the model once; the others then find it cached
         model = demo.model or smollm2_135m_instruct()
     train = make_split("train", demo.train_size, seed=args.seed)

@@ -4,6 +4,8 @@ from trl import GRPOConfig
 from trl_async import AsyncGRPOConfig
 from trl_async.config import AsyncFields, async_fields_of
 
+pytestmark = pytest.mark.unit  # pure functions: part of the fast `pytest -m unit` subset
+
 BASE = dict(output_dir="/tmp/trl_async_cfg", report_to=[], bf16=False, use_cpu=True)
 
 

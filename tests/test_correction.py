@@ -5,6 +5,8 @@ import torch
 
 from trl_async.correction import effective_sample_size, masked_mean, off_policy_correction, sequence_log_ratio
 
+pytestmark = pytest.mark.unit  # pure functions: part of the fast `pytest -m unit` subset
+
 LOG = math.log
 
 

@@ -1,6 +1,9 @@
+import pytest
 from trl.trainer.utils import RepeatSampler
 
 from trl_async.prompts import PromptStream
+
+pytestmark = pytest.mark.unit  # pure functions: part of the fast `pytest -m unit` subset
 
 
 def test_prompt_order_matches_grpo_sampler_across_epochs():

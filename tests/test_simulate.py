@@ -9,6 +9,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from simulate import Pipeline, simulate  # noqa: E402
 
+pytestmark = pytest.mark.unit  # pure functions: part of the fast `pytest -m unit` subset
+
 BASE = dict(workers=1, gen_call_s=2.0, groups_per_call=4, train_step_s=1.0, groups_per_step=4)
 
 

@@ -2,6 +2,8 @@ import pytest
 
 from trl_async.staleness import is_fresh, max_groups_admitted, staleness
 
+pytestmark = pytest.mark.unit  # pure functions: part of the fast `pytest -m unit` subset
+
 
 def test_staleness_is_consumer_minus_oldest_token():
     assert staleness(5, [5, 5, 5]) == 0  # sampled with the weights the trainer holds now: on-policy

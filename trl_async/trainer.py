@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import datetime
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -160,6 +161,15 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 f"the tokenizer has {len(self.processing_class)} tokens but the model's vocabulary has {vocab}: token "
                 "ids past the embedding table would crash generation. Pass the model's own tokenizer, or call "
                 "model.resize_token_embeddings(len(tokenizer)) before building the trainer."
+            )
+        a = self.async_args
+        cpu_workers = a.rollout_backend == "transformers" and a.rollout_device == "cpu"
+        if cpu_workers and self.accelerator.device.type == "cpu" and os.environ.get("OMP_WAIT_POLICY") != "PASSIVE":
+            logger.warning(
+                "The trainer and its rollout workers share the CPU cores, and OMP_WAIT_POLICY is not PASSIVE: the "
+                "trainer's idle OpenMP threads spin and take cycles from the workers (with neither side passive: 0.87x "
+                "the steps per minute on 2 cores, benchmarks/README.md). Set OMP_WAIT_POLICY=PASSIVE in the "
+                "environment before torch is imported (the recipes do); workers get it by default."
             )
         if self.args.use_transformers_continuous_batching:
             logger.warning("use_transformers_continuous_batching is ignored: rollout workers use `generate`.")

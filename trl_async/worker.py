@@ -185,7 +185,14 @@ def build_policy_copy(spec: WorkerSpec) -> torch.nn.Module:
     # from config.use_cache: without this, every decode step re-runs the whole sequence (9x slower measured at 32
     # tokens, growing with length)
     model.generation_config.use_cache = True
-    return model.to(device=spec.device, dtype=spec.dtype).eval()
+    for name in WARPER_FIELDS:  # sampling comes from the trainer's config alone; nothing refilled behind the hook
+        setattr(model.generation_config, name, None)
+    model = model.to(device=spec.device).eval()
+    # parameters in the rollout dtype; buffers (RoPE frequencies) stay as built, as the trainer keeps them: rounding
+    # inv_freq to bf16 shifts every rotary angle by up to ~0.2% of itself
+    for param in model.parameters():
+        param.data = param.data.to(spec.dtype)
+    return model
 
 
 HEARTBEAT_INTERVAL_S = 0.5

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,20 @@ def _no_main_reimport():
     finally:
         main.__dict__.pop("__spec__", None)
         main.__dict__.update(saved)
+
+
+@contextlib.contextmanager
+def _worker_environment():
+    """Environment a worker starts with (a spawned child copies ``os.environ`` at start). OpenMP threads that spin
+    while idle take cycles from whatever shares the cores; ``OMP_WAIT_POLICY=PASSIVE`` makes them sleep (the user's
+    own setting wins). Read by OpenMP when torch loads, so it must be set before the child imports torch."""
+    saved = os.environ.get("OMP_WAIT_POLICY")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_WAIT_POLICY", None)
 
 
 @dataclass(eq=False)
@@ -62,7 +77,7 @@ class WorkerProcess:
             name=f"trl_async-rollout-{spec.worker_id}",
             daemon=True,
         )
-        with _no_main_reimport():
+        with _no_main_reimport(), _worker_environment():
             process.start()
         task_recv.close()  # the child holds its own copies; closing ours lets EOF reach the other side
         result_send.close()

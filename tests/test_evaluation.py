@@ -1,0 +1,50 @@
+"""Greedy held-out accuracy: batched left-padded greedy decoding equals one prompt at a time, and the callback logs
+it through the trainer's own evaluation."""
+
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trl_async import AsyncGRPOTrainer
+from trl_async.evaluation import GreedyAccuracyCallback, greedy_completions
+
+from .test_trainer import async_args
+
+
+def _first_char_reward(completions, target, **kwargs):
+    return [1.0 if c[0]["content"][:1] == t else 0.0 for c, t in zip(completions, target, strict=True)]
+
+
+def test_greedy_accuracy_is_logged_by_evaluate_and_matches_unbatched_greedy(tmp_path, tiny_model_dir):
+    # prompts of different lengths, so a batch needs padding (left, or the completions would differ)
+    questions = ["a", "bb c", "d", "eee ffff", "g h", "ii"]
+    prompts = [[{"role": "user", "content": q}] for q in questions]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    expected = []
+    for p in prompts:  # one at a time: no padding at all
+        ids = tok.apply_chat_template(p, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        with torch.no_grad():
+            out = model.generate(**ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+        expected.append(tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True))
+    targets = [e[:1] for e in expected]
+    targets[1] = "#"  # one wrong answer: accuracy 5/6
+    heldout = Dataset.from_list([{"prompt": p, "target": t} for p, t in zip(prompts, targets, strict=True)])
+
+    args = async_args(
+        tmp_path, max_steps=1, max_completion_length=4, per_device_eval_batch_size=6, num_generations_eval=2
+    )
+    train = Dataset.from_list([{"prompt": [{"role": "user", "content": f"x{i}"}]} for i in range(8)])
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=args,
+        train_dataset=train,
+        eval_dataset=heldout,
+    )
+    assert greedy_completions(trainer, prompts, max_new_tokens=4, batch_size=4) == expected  # batches of 4 + 2
+    callback = GreedyAccuracyCallback(trainer, heldout, _first_char_reward)
+    trainer.add_callback(callback)
+    trainer.evaluate()
+    logged = [h for h in trainer.state.log_history if "eval_greedy_accuracy" in h]
+    assert [h["eval_greedy_accuracy"] for h in logged] == [5 / 6] and callback.history == [(0, 5 / 6)]
