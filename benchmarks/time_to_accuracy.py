@@ -69,7 +69,10 @@ TASK = dict(  # the CPU demo's settings (recipes/cpu_demo.py)
     use_cpu=True,
     disable_tqdm=True,
 )
-HELDOUT = dict(n=48, seed=1000)  # the same held-out problems for every run
+# the same evaluation problems for every run: held-out templates (generalisation, the headline) and new problems of
+# the train templates (in distribution)
+HELDOUT = dict(n=64, seed=1000)
+IN_DISTRIBUTION = dict(n=32, seed=2000)
 
 
 def run_one(spec: dict) -> dict:
@@ -88,6 +91,7 @@ def run_one(spec: dict) -> dict:
     launched, eval_seconds = spec["launched_at"], [0.0]
     curve: list[dict] = []
     heldout = make_split("heldout", HELDOUT["n"], seed=HELDOUT["seed"])
+    in_distribution = make_split("train", IN_DISTRIBUTION["n"], seed=IN_DISTRIBUTION["seed"])
 
     def evaluate(trainer, step: int) -> None:
         start = time.time()
@@ -97,10 +101,12 @@ def run_one(spec: dict) -> dict:
             os.kill(pid, signal.SIGSTOP)
         try:
             accuracy = greedy_accuracy(trainer, heldout, correctness_reward)
+            seen_templates = greedy_accuracy(trainer, in_distribution, correctness_reward)
         finally:
             for pid in paused:
                 os.kill(pid, signal.SIGCONT)
-        curve.append({"step": step, "seconds": start - launched - eval_seconds[0], "accuracy": accuracy})
+        curve.append({"step": step, "seconds": start - launched - eval_seconds[0], "accuracy": accuracy,
+                      "accuracy_train_templates": seen_templates})  # fmt: skip
         eval_seconds[0] += time.time() - start
 
     class EvalEvery(TrainerCallback):
@@ -113,7 +119,9 @@ def run_one(spec: dict) -> dict:
     if spec["kind"] == "sync":
         args, cls = GRPOConfig(**settings), GRPOTrainer
     else:
-        args, cls = AsyncGRPOConfig(**settings, **spec.get("overrides", {})), AsyncGRPOTrainer
+        # workers are stopped (SIGSTOP) during evaluations: a heartbeat timeout longer than an evaluation
+        overrides = {"rollout_heartbeat_timeout_s": 600.0, **spec.get("overrides", {})}
+        args, cls = AsyncGRPOConfig(**settings, **overrides), AsyncGRPOTrainer
     trainer = cls(
         model=smollm2_135m_instruct(),
         reward_funcs=[correctness_reward, format_reward],
@@ -173,31 +181,41 @@ def launch(name: str, seed: int, steps: int, eval_every: int, work: str) -> dict
     return {"config": name, "seed": seed, **json.loads(out.read_text())}
 
 
-def first_time_at(curve: list[dict], target: float) -> float | None:
-    """Seconds of the first evaluation whose accuracy reaches ``target`` (None if none does)."""
-    return next((p["seconds"] for p in curve if p["accuracy"] >= target - 1e-9), None)
+METRICS = {"accuracy": "held-out templates", "accuracy_train_templates": "train templates, new problems"}
 
 
-def summarise(runs: list[dict], configs: list[str]) -> tuple[list[dict], float | None]:
+def first_time_at(curve: list[dict], key: str, target: float) -> float | None:
+    """Seconds of the first evaluation whose ``key`` accuracy reaches ``target`` (None if none does)."""
+    return next((p["seconds"] for p in curve if p.get(key, -1) >= target - 1e-9), None)
+
+
+def accuracy_stats(rs: list[dict], key: str, target: float | None) -> dict:
+    """Final accuracy (mean, sd over seeds) and the mean time to ``target`` (None unless every seed reaches it)."""
+    finals = [r["curve"][-1][key] for r in rs if r["curve"] and key in r["curve"][-1]]
+    if not finals:
+        return {"final": None, "sd": None, "tta": None, "reached": "-"}
+    times = [first_time_at(r["curve"], key, target) for r in rs] if target is not None else []
+    reached = [t for t in times if t is not None]
+    return {
+        "final": statistics.fmean(finals),
+        "sd": statistics.pstdev(finals) if len(finals) > 1 else 0.0,
+        "tta": statistics.fmean(reached) if times and len(reached) == len(times) else None,
+        "reached": f"{len(reached)}/{len(times)}" if times else "-",
+    }
+
+
+def summarise(runs: list[dict], configs: list[str]) -> tuple[list[dict], dict]:
     by = {c: [r for r in runs if r["config"] == c] for c in configs}
-    sync_final = [r["curve"][-1]["accuracy"] for r in by.get("sync", []) if r["curve"]]
-    target = statistics.fmean(sync_final) if sync_final else None
     sync_runs = by.get("sync", [])
+    targets = {key: accuracy_stats(sync_runs, key, None)["final"] for key in METRICS}  # sync's final accuracy
     sync_tps = (
         statistics.fmean(r["tokens"] / r["end_to_end_s"] for r in sync_runs)
         if sync_runs and all(r.get("tokens") for r in sync_runs)
         else None
     )
-    sync_tta = None
     rows = []
     for c in configs:
         rs = by[c]
-        finals = [r["curve"][-1]["accuracy"] for r in rs if r["curve"]]
-        times = [first_time_at(r["curve"], target) for r in rs] if target is not None and finals else []
-        reached = [t for t in times if t is not None]
-        tta = statistics.fmean(reached) if reached and len(reached) == len(times) else None
-        if c == "sync":
-            sync_tta = tta
         tps = (
             statistics.fmean(r["tokens"] / r["end_to_end_s"] for r in rs) if all(r.get("tokens") for r in rs) else None
         )
@@ -206,25 +224,26 @@ def summarise(runs: list[dict], configs: list[str]) -> tuple[list[dict], float |
             values = [r[key] for r in rs if r.get(key) is not None]
             return statistics.fmean(values) if values else None
 
-        rows.append({
+        row = {
             "config": c, "seeds": len(rs),
             "end_to_end_s": pick("end_to_end_s"), "startup_s": pick("startup_s"),
             "steps_per_min": statistics.fmean(len(r["step_s"]) / r["end_to_end_s"] * 60 for r in rs),
             "tokens_per_s": tps, "tokens_per_s_vs_sync": tps / sync_tps if sync_tps and tps else None,
             "completion_tokens_per_s": statistics.fmean(r["completion_tokens"] / r["end_to_end_s"] for r in rs),
-            "final_accuracy_mean": statistics.fmean(finals) if finals else None,
-            "final_accuracy_std": statistics.pstdev(finals) if len(finals) > 1 else 0.0,
-            "time_to_sync_final_s": tta, "reached": f"{len(reached)}/{len(times)}" if times else "-",
             "staleness_mean": pick("staleness_mean"), "ess_mean": pick("ess_mean"),
             "kl_behaviour_mean": pick("kl_behaviour_mean"), "trainer_wait_s": pick("trainer_wait_s_mean"),
             "weight_sync_s": pick("weight_sync_s_mean"), "finished_row_steps": pick("finished_row_steps"),
-        })  # fmt: skip
+        }  # fmt: skip
+        for key in METRICS:
+            row[key] = accuracy_stats(rs, key, targets[key])
+        rows.append(row)
     sync_row = next((row for row in rows if row["config"] == "sync"), None)
     for row in rows:
         row["steps_per_min_vs_sync"] = row["steps_per_min"] / sync_row["steps_per_min"] if sync_row else None
-        tta = row["time_to_sync_final_s"]
-        row["time_to_accuracy_vs_sync"] = tta / sync_tta if tta is not None and sync_tta else None
-    return rows, target
+        for key in METRICS:
+            mine, theirs = row[key]["tta"], sync_row[key]["tta"] if sync_row else None
+            row[key]["tta_vs_sync"] = mine / theirs if mine is not None and theirs else None
+    return rows, targets
 
 
 def plot(runs: list[dict], configs: list[str], path: Path) -> None:
@@ -234,19 +253,21 @@ def plot(runs: list[dict], configs: list[str], path: Path) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for c in configs:
-        rs = [r for r in runs if r["config"] == c and r["curve"]]
-        if not rs:
-            continue
-        n = min(len(r["curve"]) for r in rs)
-        x = np.mean([[p["seconds"] for p in r["curve"][:n]] for r in rs], axis=0)
-        y = np.array([[p["accuracy"] for p in r["curve"][:n]] for r in rs])
-        ax.plot(x, y.mean(0), marker="o", label=f"{c} ({len(rs)} seeds)")
-        ax.fill_between(x, y.min(0), y.max(0), alpha=0.15)
-    ax.set(xlabel="wall-clock seconds from launch (evaluations excluded)", ylabel="held-out greedy accuracy",
-           title="SmolLM2-135M-Instruct, arithmetic word problems, 2 CPU cores")  # fmt: skip
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(12, 4.5), sharey=True)
+    for ax, (key, label) in zip(axes, METRICS.items(), strict=True):
+        for c in configs:
+            rs = [r for r in runs if r["config"] == c and r["curve"] and key in r["curve"][0]]
+            if not rs:
+                continue
+            n = min(len(r["curve"]) for r in rs)
+            x = np.mean([[p["seconds"] for p in r["curve"][:n]] for r in rs], axis=0)
+            y = np.array([[p[key] for p in r["curve"][:n]] for r in rs])
+            ax.plot(x, y.mean(0), marker="o", label=f"{c} ({len(rs)} seeds)")
+            ax.fill_between(x, y.min(0), y.max(0), alpha=0.15)
+        ax.set(xlabel="wall-clock seconds from launch (evaluations excluded)", ylabel="greedy accuracy",
+               title=f"{label}")  # fmt: skip
+        ax.legend(fontsize=8)
+    fig.suptitle("SmolLM2-135M-Instruct, arithmetic word problems, 2 CPU cores (mean, min-max over seeds)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -270,7 +291,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", nargs="+", default=["sync", "async", "async_s2", "async_s4", "async_2w"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--eval_every", type=int, default=4, help="0: no evaluation (step times only)")
     parser.add_argument("--name", default="time_to_accuracy")
     parser.add_argument("--from_json", help="recompute the table and plot from a results JSON (no runs)")
@@ -289,27 +310,30 @@ def main() -> None:
         cli.steps, cli.eval_every, cli.seeds = (saved["meta"][k] for k in ("steps", "eval_every", "seeds"))
     else:
         runs = collect(cli)
-    rows, target = summarise(runs, cli.configs)
+    rows, targets = summarise(runs, cli.configs)
     meta = {"steps": cli.steps, "eval_every": cli.eval_every, "seeds": cli.seeds, "task": TASK, "heldout": HELDOUT,
-            "sync_final_accuracy": target}  # fmt: skip
+            "in_distribution": IN_DISTRIBUTION, "sync_final_accuracy": targets}  # fmt: skip
     report.write_json(cli.name, {"meta": meta, "rows": rows, "runs": runs})
-    header = ["config", "seeds", "end-to-end s", "start-up s", "steps/min", "× sync", "tokens/s", "× sync", "completion tok/s",
-              "final acc", "± sd", "s to sync's final", "reached", "× sync time", "staleness", "ESS",
-              "KL(μ‖π_prox)", "trainer wait s", "publish s", "finished-row steps"]  # fmt: skip
+    header = ["config", "seeds", "end-to-end s", "start-up s", "steps/min", "× sync", "tokens/s", "× sync",
+              "held-out acc", "± sd", "s to sync's", "reached", "× sync time", "train-tmpl acc", "± sd",
+              "× sync time", "staleness", "ESS", "KL(μ‖π_prox)", "trainer wait s", "publish s",
+              "finished-row steps"]  # fmt: skip
     dash = lambda v: "-" if v is None else v  # noqa: E731
+    held, seen = "accuracy", "accuracy_train_templates"
     table = report.markdown_table(header, [[
         r["config"], r["seeds"], r["end_to_end_s"], r["startup_s"], r["steps_per_min"], dash(r["steps_per_min_vs_sync"]),
-        dash(r["tokens_per_s"]),
-        dash(r["tokens_per_s_vs_sync"]), r["completion_tokens_per_s"], dash(r["final_accuracy_mean"]),
-        r["final_accuracy_std"], dash(r["time_to_sync_final_s"]), r["reached"], dash(r["time_to_accuracy_vs_sync"]),
-        dash(r["staleness_mean"]), dash(r["ess_mean"]), dash(r["kl_behaviour_mean"]), dash(r["trainer_wait_s"]),
-        dash(r["weight_sync_s"]), dash(r["finished_row_steps"])]
+        dash(r["tokens_per_s"]), dash(r["tokens_per_s_vs_sync"]), dash(r[held]["final"]), dash(r[held]["sd"]),
+        dash(r[held]["tta"]), r[held]["reached"], dash(r[held]["tta_vs_sync"]), dash(r[seen]["final"]),
+        dash(r[seen]["sd"]), dash(r[seen]["tta_vs_sync"]), dash(r["staleness_mean"]), dash(r["ess_mean"]),
+        dash(r["kl_behaviour_mean"]), dash(r["trainer_wait_s"]), dash(r["weight_sync_s"]),
+        dash(r["finished_row_steps"])]
         for r in rows])  # fmt: skip
     print(table)
     if cli.eval_every:
         plot(runs, cli.configs, report.png_path(cli.name))
-    header_note = (f"{cli.steps} steps, seeds {cli.seeds}, held-out accuracy every {cli.eval_every} steps; sync's "
-                   f"final accuracy (the target): {target}")  # fmt: skip
+    header_note = (f"{cli.steps} steps, seeds {cli.seeds}, greedy accuracy every {cli.eval_every} steps on "
+                   f"{HELDOUT['n']} held-out-template and {IN_DISTRIBUTION['n']} train-template problems; sync's "
+                   f"final accuracies (the targets): {targets}")  # fmt: skip
     report.update_readme(cli.name, f"{header_note}\n\n{table}")
 
 
