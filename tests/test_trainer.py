@@ -15,6 +15,8 @@ from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl_async.progress import AsyncProgressCallback
 from trl_async.weights import weights_digest
 
+OMP_WAIT_POLICY_AT_IMPORT = os.environ.get("OMP_WAIT_POLICY")
+
 COMMON = dict(
     per_device_train_batch_size=8,
     num_generations=4,
@@ -264,3 +266,31 @@ def test_worker_weights_equal_the_trainer_weights_after_the_last_sync(tmp_path, 
         if version in seen:
             assert digest == seen[version]
     assert set(seen) & set(pool._expected_digests)
+
+
+def test_cpu_workers_run_at_low_priority_with_passive_openmp_and_the_trainers_compute_dtype(tmp_path, tiny_model_dir):
+    # bf16=True: the trainer computes in bf16 over float32 weights, so the workers generate in bf16 (rollout_dtype
+    # default); on the CPU they run at niceness 19 with OMP_WAIT_POLICY=PASSIVE (rollout_nice default)
+    seen = {}
+
+    class Inspect(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            (process,) = trainer.rollout_pool.processes
+            environ = open(f"/proc/{process.pid}/environ", "rb").read().split(b"\0")
+            seen["passive"] = b"OMP_WAIT_POLICY=PASSIVE" in environ
+            seen["nice"] = os.getpriority(os.PRIO_PROCESS, process.pid) - os.getpriority(os.PRIO_PROCESS, 0)
+            (spec,) = trainer.rollout_pool.backend.specs
+            seen["dtype"] = spec.dtype
+
+    args = async_args(tmp_path, max_steps=1, bf16=True)
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=letter_reward,
+        args=args,
+        train_dataset=text_dataset(),
+        callbacks=[Inspect()],
+    )
+    trainer.train()
+    assert seen == {"passive": True, "nice": 19, "dtype": torch.bfloat16}
+    assert next(trainer.model.parameters()).dtype == torch.float32  # the trainer's own weights stay float32
+    assert os.environ.get("OMP_WAIT_POLICY") == OMP_WAIT_POLICY_AT_IMPORT  # the trainer's environment is restored
