@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from trl_async.arithmetic import TRAINING_SETTINGS
+
 HERE = Path(__file__).resolve().parent
 
 # name -> (environment of the run's process, trainer threads, trainer kind, config overrides)
@@ -56,13 +58,8 @@ CONFIGS: dict[str, dict] = {
     "async_s4": dict(kind="async", threads=2, env=PASSIVE, overrides=dict(max_staleness=4)),
     "async_2w": dict(kind="async", threads=2, env=PASSIVE, overrides=dict(num_rollout_workers=2)),
 }
-TASK = dict(  # the CPU demo's settings (recipes/cpu_demo.py)
-    learning_rate=2e-5,
-    per_device_train_batch_size=16,
-    num_generations=8,
-    max_completion_length=32,
-    temperature=0.7,
-    beta=0.0,
+TASK = dict(  # the CPU demo's settings
+    **TRAINING_SETTINGS,
     logging_steps=1,
     save_strategy="no",
     report_to=[],

@@ -27,7 +27,7 @@ from accelerate import PartialState  # noqa: E402
 from trl import TrlParser  # noqa: E402
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
-from trl_async.arithmetic import correctness_reward, format_reward, make_split  # noqa: E402
+from trl_async.arithmetic import TRAINING_SETTINGS, correctness_reward, format_reward, make_split  # noqa: E402
 from trl_async.config import available_cores  # noqa: E402
 from trl_async.evaluation import GreedyAccuracyCallback, greedy_accuracy  # noqa: E402
 from trl_async.pretrained import smollm2_135m_instruct  # noqa: E402
@@ -85,12 +85,7 @@ def main(demo: DemoArguments, args: AsyncGRPOConfig) -> dict:
 DEMO_DEFAULTS = dict(
     output_dir="outputs/cpu_demo",
     max_steps=24,
-    learning_rate=2e-5,
-    per_device_train_batch_size=16,
-    num_generations=8,
-    max_completion_length=32,
-    temperature=0.7,
-    beta=0.0,
+    **TRAINING_SETTINGS,
     logging_steps=4,
     eval_strategy="steps",
     eval_steps=12,

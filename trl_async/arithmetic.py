@@ -25,6 +25,17 @@ EXAMPLE = (
     {"role": "assistant", "content": "4 + 3 = 7\nAnswer: 7"},
 )
 
+# GRPO settings for this task on SmolLM2-135M-Instruct, chosen by measurement (README, "A real model, offline"); the
+# CPU demo and benchmarks/time_to_accuracy.py train with them
+TRAINING_SETTINGS = dict(
+    learning_rate=2e-5,
+    per_device_train_batch_size=16,
+    num_generations=8,
+    max_completion_length=32,
+    temperature=0.7,
+    beta=0.0,
+)
+
 NAMES = ("Tom", "Anna", "Sam", "Lily", "Ben", "Mia", "Max", "Zoe", "Leo", "Emma", "Jack", "Nora")
 ITEMS = ("apples", "pencils", "books", "stickers", "cookies", "marbles", "cards", "balloons", "coins", "shells")
 
