@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from datasets import Dataset
@@ -45,42 +46,38 @@ class Template:
     """A story with slots {name} {item} {a} {b} [{c}] and the answer as a function of the numbers."""
 
     text: str
-    answer: callable
-    operations: int
-
-
-def _t(text: str, answer, operations: int = 1) -> Template:
-    return Template(text, answer, operations)
+    answer: Callable[[int, int, int], int]
 
 
 TRAIN_TEMPLATES = (
-    _t("{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?", lambda a, b, c: a + b),
-    _t("{name} had {a} {item} and gave {b} away. How many {item} are left?", lambda a, b, c: a - b),
-    _t(
+    Template("{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?", lambda a, b, c: a + b),
+    Template("{name} had {a} {item} and gave {b} away. How many {item} are left?", lambda a, b, c: a - b),
+    Template(
         "There are {a} {item} in a box. {name} puts in {b} more. How many {item} are in the box?",
         lambda a, b, c: a + b,
     ),
-    _t("{name} found {a} {item}, then lost {b}. How many {item} does {name} have?", lambda a, b, c: a - b),
-    _t(
+    Template("{name} found {a} {item}, then lost {b}. How many {item} does {name} have?", lambda a, b, c: a - b),
+    Template(
         "{name} has {a} {item}, buys {b} more, then gives away {c}. How many {item} does {name} have?",
         lambda a, b, c: a + b - c,
-        2,
     ),
-    _t(
+    Template(
         "A shelf holds {a} {item}. {name} adds {b} and later removes {c}. How many {item} are on the shelf?",
         lambda a, b, c: a + b - c,
-        2,
     ),
 )
 HELDOUT_TEMPLATES = (
-    _t("{name} collected {a} {item} on Monday and {b} on Tuesday. How many {item} in total?", lambda a, b, c: a + b),
-    _t("{name} started with {a} {item}. After eating {b}, how many {item} remain?", lambda a, b, c: a - b),
-    _t(
+    Template(
+        "{name} collected {a} {item} on Monday and {b} on Tuesday. How many {item} in total?", lambda a, b, c: a + b
+    ),
+    Template("{name} started with {a} {item}. After eating {b}, how many {item} remain?", lambda a, b, c: a - b),
+    Template(
         "{name} owns {a} {item}. A friend gives {name} {b} more, and {name} sells {c}. How many {item} now?",
         lambda a, b, c: a + b - c,
-        2,
     ),
-    _t("A bag has {a} {item}. {b} more are added. What is the number of {item} in the bag?", lambda a, b, c: a + b),
+    Template(
+        "A bag has {a} {item}. {b} more are added. What is the number of {item} in the bag?", lambda a, b, c: a + b
+    ),
 )
 
 
