@@ -45,6 +45,8 @@ CONFIGS: dict[str, dict] = {
     "sync_fp32_gc": dict(kind="sync", threads=2, env={}, train=dict(bf16=False)),
     "sync_bf16_nogc": dict(kind="sync", threads=2, env={}, train=dict(gradient_checkpointing=False)),
     "sync_1thread": dict(kind="sync", threads=1, env=PASSIVE),
+    # 2-process DDP under `accelerate launch` (gloo, 1 thread each): each rank generates and trains on half the batch
+    "sync_ddp": dict(kind="sync", threads=1, processes=2, env=PASSIVE, train=dict(ddp_backend="gloo")),
     # AsyncGRPOTrainer with its defaults (trainer all cores, workers at nice 19 with all cores, bf16 workers)
     "async": dict(kind="async", threads=2, env=PASSIVE),
     # how the cores are split
@@ -111,8 +113,9 @@ def run_one(spec: dict) -> dict:
             if spec["eval_every"] and state.global_step % spec["eval_every"] == 0:
                 evaluate(trainer, state.global_step)
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # the same global batch (prompts per step) on every configuration
     settings = {**TASK, **spec.get("train", {}), "output_dir": spec["output_dir"], "max_steps": spec["steps"],
-                "seed": spec["seed"]}  # fmt: skip
+                "seed": spec["seed"], "per_device_train_batch_size": TASK["per_device_train_batch_size"] // world}  # fmt: skip
     if spec["kind"] == "sync":
         args, cls = GRPOConfig(**settings), GRPOTrainer
     else:
@@ -136,6 +139,7 @@ def run_one(spec: dict) -> dict:
     if spec["eval_every"] and spec["steps"] % spec["eval_every"]:
         evaluate(trainer, spec["steps"])
     logs = [h for h in trainer.state.log_history if "reward" in h]
+    # TRL's completion metrics are gathered over ranks: mean length times the global batch
     completion_tokens = sum(h["completions/mean_length"] * TASK["per_device_train_batch_size"] for h in logs)
     mean = lambda key: statistics.fmean(h[key] for h in logs) if logs and key in logs[0] else None  # noqa: E731
     return {
@@ -172,6 +176,10 @@ def launch(name: str, seed: int, steps: int, eval_every: int, work: str) -> dict
     if "OMP_WAIT_POLICY" not in config["env"]:
         env.pop("OMP_WAIT_POLICY", None)
     cmd = [sys.executable, __file__, "--run", json.dumps(spec), "--result", str(out)]
+    if config.get("processes", 1) > 1:
+        ddp = HERE.parent / "recipes/accelerate/ddp.yaml"
+        cmd[1:1] = ["-m", "accelerate.commands.launch", "--config_file", str(ddp),
+                    "--num_processes", str(config["processes"])]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{name} seed {seed} failed:\n{done.stderr[-4000:]}")
@@ -310,7 +318,9 @@ def main() -> None:
     parser.add_argument("--result", help=argparse.SUPPRESS)
     cli = parser.parse_args()
     if cli.run:
-        Path(cli.result).write_text(json.dumps(run_one(json.loads(cli.run))))
+        result = run_one(json.loads(cli.run))
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank evaluates the same problems; rank 0 reports
+            Path(cli.result).write_text(json.dumps(result))
         return
     sys.path.insert(0, str(HERE))
     import report

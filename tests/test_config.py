@@ -46,9 +46,20 @@ def test_weight_sync_must_fit_in_the_staleness_bound():
 
 def test_plain_grpo_config_gets_async_defaults():
     settings = async_fields_of(GRPOConfig(**BASE))
-    assert settings == AsyncFields()
+    assert settings == AsyncFields(off_policy_correction="decoupled")  # the default, resolved for loss_type="dapo"
     assert settings.max_staleness == 1 and settings.off_policy_correction == "decoupled"
     assert settings.resolved_importance_sampling_cap == 5.0  # AReaL's cap for the decoupled default
+
+
+def test_vespo_gets_truncation_by_default_and_refuses_weights_that_do_not_compose():
+    assert AsyncGRPOConfig(**BASE, loss_type="vespo").off_policy_correction == "tis"
+    assert async_fields_of(GRPOConfig(**BASE, loss_type="vespo")).off_policy_correction == "tis"
+    assert AsyncGRPOConfig(**BASE, loss_type="vespo", off_policy_correction="none").off_policy_correction == "none"
+    for mode in ("decoupled", "mask", "seq_tis", "seq_mask"):
+        with pytest.raises(ValueError, match=rf"off_policy_correction='{mode}' is invalid: with loss_type='vespo' use "
+                                             "'tis'.*silence its whole sequence"):  # fmt: skip
+            AsyncGRPOConfig(**BASE, loss_type="vespo", off_policy_correction=mode)
+    assert AsyncGRPOConfig(**BASE, loss_type="grpo").off_policy_correction == "decoupled"
 
 
 def test_caps_default_by_mode_and_none_warns_when_stale():

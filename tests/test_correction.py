@@ -94,3 +94,17 @@ def test_helpers_are_empty_safe():
     assert masked_mean(x, torch.zeros(1, 3)).item() == 0.0
     assert sequence_log_ratio(x, torch.zeros(1, 3)).item() == 0.0
     assert effective_sample_size(torch.tensor([])) == 1.0
+
+
+@pytest.mark.parametrize("mode", ["tis", "mask", "decoupled", "seq_tis", "seq_mask", "none"])
+def test_a_missing_behaviour_logprob_gets_ratio_one_and_is_counted(mode):
+    """A NaN mu (a null log-prob from a vLLM server) cannot be corrected: like GRPOTrainer, its ratio is 1 and the
+    other tokens keep theirs; the count is reported."""
+    prox, behaviour, mask = case(RHO, MASK)
+    behaviour[0, 1] = float("nan")  # rho would have been 0.5
+    behaviour[1, 3] = float("nan")  # padding: not counted
+    out = off_policy_correction(prox, behaviour, mask, mode=mode, cap=3.0, floor=0.4)
+    reference = off_policy_correction(*case([[2.0, 1.0, 1.0, 9.0], RHO[1]], MASK), mode=mode, cap=3.0, floor=0.4)
+    torch.testing.assert_close(out.weights_BT, reference.weights_BT)
+    assert out.stats["behaviour_nan"] == 1 and reference.stats["behaviour_nan"] == 0
+    assert all(math.isfinite(v) for v in out.stats.values())

@@ -1,5 +1,7 @@
 """Drop-in compatibility: what a GRPOTrainer user passes keeps working, and what cannot work yet fails clearly."""
 
+import asyncio
+import math
 import subprocess
 import sys
 import textwrap
@@ -7,7 +9,7 @@ import textwrap
 import pytest
 import torch
 from datasets import Dataset, IterableDataset
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config
 from trl import GRPOConfig
 
 from trl_async import AsyncGRPOTrainer
@@ -87,6 +89,87 @@ def test_plain_grpo_config_and_a_reward_model(tmp_path, tiny_model_dir):
     logs = [h for h in trainer.state.log_history if "reward" in h]
     assert len(logs) == 2 and all(h["rewards/rm/std"] > 0 for h in logs)  # the reward model really scored
     assert max(trained_staleness(trainer)) <= 1
+
+
+def test_async_reward_runs_on_grpo_trainers_loop_across_groups_and_steps(tmp_path, tiny_model_dir):
+    gate, loops = asyncio.Semaphore(1), []  # loop-bound once contended, like an async HTTP client
+
+    async def gated_length(completions, **kwargs):
+        loops.append(asyncio.get_running_loop())
+
+        async def one(c):
+            async with gate:
+                await asyncio.sleep(0)
+                return len(c) / 6
+
+        return list(await asyncio.gather(*(one(c) for c in completions)))
+
+    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=gated_length,
+                               args=async_args(tmp_path, max_steps=3), train_dataset=text_dataset())  # fmt: skip
+    trainer.train()
+    assert trainer.state.global_step == 3 and len(loops) >= 6  # 2 groups per step
+    assert set(loops) == {trainer.async_loop}  # GRPOTrainer's own long-lived loop, as it uses for async rewards
+
+
+def test_the_scorer_has_its_own_reward_tokenizers(tmp_path, tiny_model_dir):
+    """The scorer tokenizes on a background thread while evaluate() uses the trainer's tokenizers on the main one: a
+    fast tokenizer shared across threads fails ("Already borrowed")."""
+    reward_model_dir = str(tmp_path / "rm")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(reward_model_dir)
+    tokenizer.save_pretrained(reward_model_dir)
+    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=[reward_model_dir, length_reward],
+                               args=async_args(tmp_path), train_dataset=text_dataset())  # fmt: skip
+    trainer._make_score_group()
+    theirs, mine = trainer.reward_processing_classes, trainer._scorer.reward_processing_classes
+    assert mine[0] is not theirs[0] and mine[0].get_vocab() == theirs[0].get_vocab()
+    assert mine[0]._tokenizer is not theirs[0]._tokenizer  # the Rust tokenizer, whose borrow is the problem
+
+
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_every_loss_type_matches_grpo_trainer_on_policy_and_trains(tmp_path, tiny_model_dir, loss_type):
+    """On-policy (mu = the current policy: every staleness weight 1) our loss equals GRPOTrainer's on the same batch,
+    through the importance-weight seam; then two real steps with workers."""
+    from trl import GRPOTrainer
+
+    common = dict(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=text_dataset())
+    ours = AsyncGRPOTrainer(**common, args=async_args(tmp_path, max_steps=2, loss_type=loss_type))
+    theirs = GRPOTrainer(**common, args=GRPOConfig(output_dir=str(tmp_path / "sync"), **{**COMMON,
+                                                                                        "loss_type": loss_type}))
+    b, t = 2, 3
+    inputs = {
+        "prompt_ids": torch.tensor([[5, 6], [7, 8]]), "prompt_mask": torch.ones(b, 2, dtype=torch.long),
+        "completion_ids": torch.tensor([[9, 10, 11], [12, 13, 0]]),
+        "completion_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
+        "advantages": torch.tensor([1.0, -0.5]), "num_items_in_batch": torch.tensor(5),
+    }  # fmt: skip
+    losses = []
+    for trainer in (ours, theirs):
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1
+        with torch.no_grad():
+            ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+            mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+            mu = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, t)[0]
+        batch = {**inputs, "sampling_per_token_logps": mu} if trainer is ours else dict(inputs)
+        losses.append(trainer._compute_loss(trainer.model, batch).item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5) and losses[0] != 0.0
+    assert ours._metrics["train"]["is/ess"] == [pytest.approx(1.0)]  # the weight went through the seam
+
+    ours._metrics["train"].clear()
+    before = {n: p.detach().clone() for n, p in ours.model.named_parameters()}
+    ours.train()
+    logs = [h for h in ours.state.log_history if "loss" in h and "reward" in h]
+    assert len(logs) == 2 and all(math.isfinite(h["loss"]) for h in logs)
+    assert any(not torch.equal(p, before[n]) for n, p in ours.model.named_parameters())
+    if loss_type == "vespo":
+        assert all("vespo/phi_seq_mean" in h for h in logs)
 
 
 def test_peft_lora_workers_receive_merged_weights(tmp_path, tiny_model_dir):
@@ -207,3 +290,15 @@ def test_trajectory_file_records_every_consumed_completion(tmp_path, tiny_model_
     for step in (0, 1):  # advantages: reward minus the group mean (scale_rewards="group": divided by the std)
         group = [x for x in lines if x["step"] == step][:4]
         assert sum(x["advantage"] for x in group) == pytest.approx(0.0, abs=1e-5)
+    # the record is enough to recompute the importance weight: ids and mu per token. Completions sampled from the
+    # initial weights (version 0) must have mu = log softmax of the initial model at temperature 1
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    first = [x for x in lines if set(x["versions"]) == {0}]
+    assert first
+    for x in first:
+        assert len(x["completion_ids"]) == len(x["logprobs"]) == len(x["versions"])
+        ids = torch.tensor([x["prompt_ids"] + x["completion_ids"]])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(x["prompt_ids"]) - 1 : -1]
+        expected = logits.log_softmax(-1).gather(-1, torch.tensor(x["completion_ids"])[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(x["logprobs"]), expected, rtol=0, atol=1e-4)

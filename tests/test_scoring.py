@@ -1,3 +1,4 @@
+import asyncio
 import math
 
 import pytest
@@ -54,3 +55,53 @@ def test_decode_matches_grpo_text_and_chat_formats():
     ids = [tok("ab")["input_ids"] + [tok.eos_token_id]]
     assert decode_completions(tok, [[5]], ids, conversational=False) == ["ab"]
     assert decode_completions(tok, [[5]], ids, conversational=True) == [[{"role": "assistant", "content": "ab"}]]
+
+
+GATE = None  # module-level, loop-bound state as users write it (an asyncio.Semaphore, an async HTTP client)
+
+
+@pytest.mark.unit
+def test_async_rewards_share_one_event_loop_across_groups():
+    """GRPOTrainer runs async rewards on one long-lived loop; a semaphore shared by calls binds to the loop it first
+    waits on, so a new loop per group raises 'bound to a different event loop' on the second group."""
+    global GATE
+    GATE = asyncio.Semaphore(1)
+    loops = set()
+
+    async def limited(completions, **kwargs):
+        loops.add(id(asyncio.get_running_loop()))
+
+        async def one(c):
+            async with GATE:  # two waiters: the semaphore binds to this loop
+                await asyncio.sleep(0)
+                return float(len(c))
+
+        return await asyncio.gather(*(one(c) for c in completions))
+
+    scorer = make_scorer(limited)
+    try:
+        for _ in range(5):
+            rewards, _, _ = scorer.score([{"prompt": "p"}] * 2, ["x", "yy"], [[1], [2]])
+            assert rewards[:, 0].tolist() == [1.0, 2.0]
+    finally:
+        scorer.close()
+    assert len(loops) == 1
+
+
+@pytest.mark.unit
+def test_scorer_uses_a_given_loop_and_does_not_close_it():
+    from trl.trainer.utils import shutdown_event_loop_in_daemon, start_event_loop_in_daemon
+
+    thread, loop, ready = start_event_loop_in_daemon(name="test-loop")
+    ready.wait()
+    seen = []
+
+    async def where(completions, **kwargs):
+        seen.append(asyncio.get_running_loop())
+        return [1.0] * len(completions)
+
+    scorer = RewardScorer([where], [None], ["where"], {}, torch.device("cpu"), lambda: None, event_loop=loop)
+    scorer.score([{"prompt": "p"}], ["x"], [[1]])
+    scorer.close()
+    assert seen == [loop] and loop.is_running()  # the trainer's loop: used, and left running for the trainer
+    shutdown_event_loop_in_daemon(thread, loop)

@@ -1,5 +1,6 @@
 """AsyncGRPOTrainer end to end on CPU with real worker processes (tiny local model, no network)."""
 
+import math
 import multiprocessing
 import os
 import signal
@@ -139,6 +140,50 @@ def test_importance_weight_reaches_grpo_loss(tmp_path, tiny_model_dir):
     assert zeros == 0.0  # a zero weight removes every token from the (beta=0) loss
     assert halves.item() == pytest.approx(0.5 * base)
     assert not trainer.use_vllm  # the seam is switched on per call only
+
+
+@pytest.mark.parametrize("bypass", [False, True], ids=["decoupled", "bypass"])
+def test_a_missing_behaviour_logprob_leaves_the_loss_finite(tmp_path, tiny_model_dir, bypass):
+    """A NaN mu (a null log-prob from a vLLM server): decoupled gives that token ratio 1, as GRPOTrainer does; bypass
+    (pi_prox := mu) has no ratio for it and leaves it out of the loss. Both count it (is/behaviour_nan)."""
+    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=letter_reward, train_dataset=text_dataset(),
+                               args=async_args(tmp_path, off_policy_bypass=bypass))  # fmt: skip
+    b, t = 2, 3
+    inputs = {
+        "prompt_ids": torch.tensor([[5, 6], [7, 8]]),
+        "prompt_mask": torch.ones(b, 2, dtype=torch.long),
+        "completion_ids": torch.tensor([[9, 10, 11], [12, 13, 14]]),
+        "completion_mask": torch.ones(b, t, dtype=torch.long),
+        "advantages": torch.tensor([1.0, -0.5]),
+        "num_items_in_batch": torch.tensor(b * t),
+    }
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    with torch.no_grad():
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        current = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, t)[0]
+    behaviour = current - 0.3  # stale: every ratio exp(0.3), inside decoupled's cap
+    missing = behaviour.clone()
+    missing[1, 1] = float("nan")
+
+    def loss(mu, completion_mask):
+        out = {**inputs, "sampling_per_token_logps": mu, "completion_mask": completion_mask}
+        trainer._add_off_policy_inputs(out)
+        return trainer._compute_loss(trainer.model, out).item()
+
+    got = loss(missing, inputs["completion_mask"])
+    assert math.isfinite(got)
+    if bypass:
+        dropped = inputs["completion_mask"].clone()
+        dropped[1, 1] = 0
+        expected = loss(behaviour, dropped)
+    else:
+        at_one = behaviour.clone()
+        at_one[1, 1] = current[1, 1]  # ratio exactly 1 for that token
+        expected = loss(at_one, inputs["completion_mask"])
+    assert got == pytest.approx(expected, rel=1e-5) and got != pytest.approx(loss(behaviour, inputs["completion_mask"]))
+    assert trainer._metrics["train"]["is/behaviour_nan"][0] == 1  # the first loss() call: the one with the NaN
 
 
 def test_weight_from_the_loss_forward_equals_a_separate_proximal_forward(tmp_path, tiny_model_dir):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import multiprocessing
 import threading
 import time
@@ -18,7 +19,7 @@ from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl_async.gloo_transfer import plan_buckets, receive_buckets, send_buckets
 from trl_async.rollout_pool import RolloutWorkerError
 from trl_async.vllm_backend import cut_after_eos
-from trl_async.vllm_client import VLLMServer, VLLMServerError, token_versions
+from trl_async.vllm_client import VLLMServer, VLLMServerError, completions_from_response, token_versions
 from trl_async.vllm_weights import VLLMWeightPusher, free_port
 from trl_async.weight_sync import iter_policy_buckets, policy_specs
 
@@ -280,3 +281,16 @@ def test_a_server_that_dies_mid_run_stops_training_with_an_error_naming_it(tmp_p
         server.stop()
     assert killed and time.monotonic() - killed["at"] < 60
     assert trainer.state.global_step < 50
+
+
+@pytest.mark.unit
+def test_a_null_logprob_from_the_server_becomes_nan_not_a_type_error():
+    response = {"choices": [
+        {"index": 1, "token_ids": [7, 8], "logprobs": {"content": [{"logprob": -0.5}, {"logprob": None}]},
+         "weight_versions": [{"version": "2", "start": 0, "end": 2}]},
+        {"index": 0, "token_ids": [5], "logprobs": {"content": [{"logprob": -1.0}]}, "finish_reason": "stop",
+         "weight_versions": [{"version": "2", "start": 0, "end": 1}]},
+    ]}  # fmt: skip
+    first, second = completions_from_response(response, "http://server")
+    assert first.token_ids == (5,) and first.logprobs == (-1.0,) and first.finish_reason == "stop"
+    assert second.logprobs[0] == -0.5 and math.isnan(second.logprobs[1])

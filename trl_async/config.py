@@ -168,17 +168,19 @@ class AsyncFields:
         metadata={
             "help": "Append every consumed completion to this JSONL file (relative paths are under output_dir; one "
             "file per process under multi-process training, suffixed .rank<N>): prompt, completion, each reward "
-            "function's value, advantage, staleness and per-token versions, for auditing a run."
+            "function's value, advantage, staleness, per-token versions, and the prompt and completion token ids "
+            "with each token's behaviour log-prob mu, for auditing a run (every importance weight can be recomputed)."
         },
     )
-    off_policy_correction: Literal["decoupled", "tis", "mask", "seq_tis", "seq_mask", "none"] = field(
-        default="decoupled",
+    off_policy_correction: Literal["decoupled", "tis", "mask", "seq_tis", "seq_mask", "none"] | None = field(
+        default=None,
         metadata={
             "help": "Staleness weight w = f(pi_prox/mu) multiplied into GRPOTrainer's per-token loss, whose "
             "clipped ratio is taken against pi_prox. 'decoupled' (AReaL): rho, tokens with rho > cap dropped; "
             "'tis': min(rho, cap); 'mask': rho inside [floor, cap], else 0; 'seq_tis'/'seq_mask': the same with "
             "the geometric mean of a sequence's token ratios; 'none': w = 1, stale samples treated as on-policy "
-            "(ablation only)."
+            "(ablation only). Default None: 'decoupled', or 'tis' under loss_type='vespo' (VESPO folds the token "
+            "weights into its own sequence weight, where only truncation composes: see the validation error)."
         },
     )
     importance_sampling_cap: float | None = field(
@@ -212,10 +214,28 @@ class AsyncFields:
         },
     )
 
-    def validate_async_fields(self) -> None:
+    def validate_async_fields(self, loss_type: str | None = None) -> None:
+        """Check every async field (``ValueError`` naming the field and the fix) and resolve the defaults that
+        depend on GRPO's own settings (``loss_type``)."""
+
         def need(ok: bool, name: str, fix: str) -> None:
             if not ok:
                 raise ValueError(f"AsyncGRPOConfig.{name}={getattr(self, name)!r} is invalid: {fix}")
+
+        if self.off_policy_correction is None:
+            self.off_policy_correction = "tis" if loss_type == "vespo" else "decoupled"
+        if loss_type == "vespo":
+            # GRPOTrainer's VESPO sums log w over a sequence into its gamma weight instead of multiplying w per token
+            # (as TRL itself requires token-level truncation or masking for its vLLM correction under VESPO): a
+            # dropped token (w = 0) would zero its whole sequence, and a sequence weight would be raised to the power
+            # of the length. Truncation composes: log min(rho, C) per token is VESPO's own token-truncated weight.
+            need(
+                self.off_policy_correction in ("tis", "none") or self.off_policy_bypass,
+                "off_policy_correction",
+                "with loss_type='vespo' use 'tis' (the default there): VESPO sums the log of every token's weight "
+                "into one sequence weight, so a token dropped by 'decoupled'/'mask' (w = 0) would silence its whole "
+                "sequence and a 'seq_*' weight would count once per token",
+            )
 
         need(self.rollout_backend in ROLLOUT_BACKENDS, "rollout_backend", f"choose one of {ROLLOUT_BACKENDS}")
         need(
@@ -384,7 +404,7 @@ class AsyncFields:
 def async_fields_of(args: GRPOConfig) -> AsyncFields:
     """The async settings of ``args``: its own for an ``AsyncGRPOConfig``, the defaults for a plain ``GRPOConfig``."""
     settings = AsyncFields(**{f.name: getattr(args, f.name) for f in fields(AsyncFields) if hasattr(args, f.name)})
-    settings.validate_async_fields()
+    settings.validate_async_fields(loss_type=getattr(args, "loss_type", None))
     return settings
 
 
@@ -394,4 +414,4 @@ class AsyncGRPOConfig(GRPOConfig, AsyncFields):
 
     def __post_init__(self):
         super().__post_init__()
-        self.validate_async_fields()
+        self.validate_async_fields(loss_type=self.loss_type)

@@ -17,7 +17,8 @@ per-token loss (``importance_sampling_ratio``). The modes differ only in f:
                                                       whose weight exceeds the cap are filtered out, others keep rho
 
 Shapes: ``_BT`` = (batch, completion tokens); ``mask_BT`` marks real completion tokens. Padding gets weight 1 (the loss
-masks it anyway), all-masked rows get a sequence ratio of 1, and no function returns NaN for an empty mask.
+masks it anyway), all-masked rows get a sequence ratio of 1, and no function returns NaN for an empty mask. A token
+whose mu is NaN (a backend returned no log-prob) gets rho = 1, as GRPOTrainer does, and is counted (``behaviour_nan``).
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ def masked_mean(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
 
 
 def log_ratio(prox_logps_BT: torch.Tensor, behaviour_logps_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
-    """log rho_t = log pi_prox - log mu, clamped to +-20, 0 on padding (whatever junk padding holds)."""
+    """log rho_t = log pi_prox - log mu, clamped to +-20, 0 on padding (whatever junk padding holds) and where mu is
+    missing (NaN: a backend that could not give it), as GRPOTrainer treats a missing vLLM log-prob: no correction."""
     lr = (prox_logps_BT - behaviour_logps_BT).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return torch.where(mask_BT.bool(), lr, torch.zeros_like(lr))
+    return torch.where(mask_BT.bool() & ~torch.isnan(lr), lr, torch.zeros_like(lr))
 
 
 def sequence_log_ratio(log_ratio_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
@@ -96,7 +98,7 @@ def off_policy_correction(
 
     Statistics are over the units the mode weighs (tokens, or sequences for ``seq_*``): ``ratio_mean/min/max`` of the
     raw rho, ``ess`` of the final weights, ``truncated_frac`` (rho > C in truncating modes), ``masked_frac`` (weights set
-    to 0), and ``kl_behaviour``, the k3 estimate of KL(mu || pi_prox) = E_mu[rho - 1 - log rho] over tokens
+    to 0), ``behaviour_nan`` (tokens without a behaviour log-prob, given rho = 1), and ``kl_behaviour``, the k3 estimate of KL(mu || pi_prox) = E_mu[rho - 1 - log rho] over tokens
     (Schulman 2020, "Approximating KL divergence").
     """
     if mode not in MODES:
@@ -133,5 +135,6 @@ def off_policy_correction(
         "truncated_frac": (valid_rho > cap).sum().item() / n if truncating else 0.0,
         "masked_frac": (valid_w == 0).sum().item() / n,
         "kl_behaviour": kl,
+        "behaviour_nan": int((torch.isnan(behaviour_logps_BT) & mask).sum()),  # tokens given ratio 1 for want of mu
     }
     return Correction(weights_BT=weights_BT, stats=stats)

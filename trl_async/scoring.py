@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,6 +21,7 @@ from packaging.version import Version
 from torch import nn
 from trl.chat_template_utils import parse_response
 from trl.data_utils import apply_chat_template, is_conversational
+from trl.trainer.utils import shutdown_event_loop_in_daemon, start_event_loop_in_daemon
 
 
 class RewardFunctionError(RuntimeError):
@@ -63,6 +65,7 @@ class RewardScorer:
         chat_template_kwargs: dict,
         device: torch.device,
         trainer_state: Callable[[], Any],
+        event_loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         self.reward_funcs = list(reward_funcs)
         self.reward_processing_classes = list(reward_processing_classes)
@@ -70,6 +73,26 @@ class RewardScorer:
         self.chat_template_kwargs = chat_template_kwargs
         self.device = device
         self.trainer_state = trainer_state
+        # async rewards run on one long-lived loop, as in GRPOTrainer (loop-bound state such as a semaphore or an
+        # async HTTP client survives from group to group): the trainer's loop when it has one, else our own
+        self._given_loop = event_loop
+        self._own_loop: tuple[threading.Thread, asyncio.AbstractEventLoop] | None = None
+
+    def _run(self, awaitable) -> Any:
+        loop = self._given_loop
+        if loop is None:
+            if self._own_loop is None:
+                thread, loop, ready = start_event_loop_in_daemon(name="trl_async-rewards")
+                ready.wait()
+                self._own_loop = (thread, loop)
+            loop = self._own_loop[1]
+        return asyncio.run_coroutine_threadsafe(_await(awaitable), loop).result()
+
+    def close(self) -> None:
+        """Stop the loop this scorer started (a loop it was given belongs to its owner)."""
+        if self._own_loop is not None:
+            shutdown_event_loop_in_daemon(*self._own_loop)
+            self._own_loop = None
 
     def score(self, rows: list[dict], completions: list, completion_ids: list) -> tuple[torch.Tensor, dict, dict]:
         """Returns ``rewards_NF`` (rows x reward functions, NaN where a function returned None), the extra columns
@@ -94,7 +117,7 @@ class RewardScorer:
                     continue
                 out = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
                 if inspect.isawaitable(out):
-                    out = asyncio.run(_await(out))
+                    out = self._run(out)
                 rewards[:, i] = torch.tensor(_as_rewards(out, name, len(rows), prompts, completions))
             except RewardFunctionError:
                 raise

@@ -130,6 +130,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self._groups_per_batch / workers
         )
         self._pool: RolloutPool | None = None  # main process only
+        self._scorer: RewardScorer | None = None  # the pool's, main process only
         self._pool_started = False
         self.last_rollout_pool: RolloutPool | None = None
         self._consuming: list[tuple[ScoredGroup, int]] | None = None  # (group, completion index) per local row
@@ -154,14 +155,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 f"AsyncGRPOConfig.rollout_device={self.async_args.rollout_device!r} but CUDA is not available; "
                 "use rollout_device='cpu'."
             )
-        model = self.accelerator.unwrap_model(self.model)
-        vocab = getattr(model.config, "vocab_size", None)
-        if vocab is not None and len(self.processing_class) > vocab:
-            raise ValueError(
-                f"the tokenizer has {len(self.processing_class)} tokens but the model's vocabulary has {vocab}: token "
-                "ids past the embedding table would crash generation. Pass the model's own tokenizer, or call "
-                "model.resize_token_embeddings(len(tokenizer)) before building the trainer."
-            )
+        self._check_vocabulary()
         a = self.async_args
         cpu_workers = a.rollout_backend == "transformers" and a.rollout_device == "cpu"
         if cpu_workers and self.accelerator.device.type == "cpu" and os.environ.get("OMP_WAIT_POLICY") != "PASSIVE":
@@ -173,6 +167,32 @@ class AsyncGRPOTrainer(GRPOTrainer):
             )
         if self.args.use_transformers_continuous_batching:
             logger.warning("use_transformers_continuous_batching is ignored: rollout workers use `generate`.")
+
+    def _check_vocabulary(self) -> None:
+        """Token ids past the model's embedding table crash generation only if they reach the model. Special tokens
+        the trainer feeds it (pad, eos, bos) are checked here; prompt tokens as each prompt is first tokenized (the
+        row is named). A tokenizer with unused extra ids (one that gained ``<|endoftext|>`` on reload) trains, as
+        under GRPOTrainer, with a warning."""
+        tokenizer = self._tokenizer
+        vocab = getattr(self.accelerator.unwrap_model(self.model).config, "vocab_size", None)
+        if vocab is None or len(tokenizer) <= vocab:
+            return
+        used = {f"{name}_token_id": getattr(tokenizer, f"{name}_token_id", None) for name in ("pad", "eos", "bos")}
+        used.update({f"eos_token_ids[{i}]": t for i, t in enumerate(self.eos_token_ids)})
+        past = {name: t for name, t in used.items() if t is not None and t >= vocab}
+        if past:
+            named = ", ".join(f"{name}={t} ({tokenizer.convert_ids_to_tokens(t)!r})" for name, t in past.items())
+            raise ValueError(
+                f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab}, and the trainer "
+                f"feeds the model ids past its embedding table: {named}. Pass the model's own tokenizer, or call "
+                "model.resize_token_embeddings(len(tokenizer)) before building the trainer."
+            )
+        extra = tokenizer.convert_ids_to_tokens(list(range(vocab, len(tokenizer))))
+        logger.warning(
+            f"The tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab}: {extra} are past the "
+            "embedding table. Training goes on (pad, eos and bos are inside it); a prompt containing one of them "
+            "fails with its row named."
+        )
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
     def train(self, *args, **kwargs):
@@ -190,6 +210,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
             pool, self._pool = self._pool, None
             self.last_rollout_pool = pool
             pool.close()
+        if self._scorer is not None:  # after the pool: its scoring thread has stopped
+            self._scorer.close()
+            self._scorer = None
 
     @property
     def rollout_pool(self) -> RolloutPool | None:
@@ -358,10 +381,19 @@ class AsyncGRPOTrainer(GRPOTrainer):
         dataset, chat_template, template_kwargs = self.train_dataset, self.chat_template, self.chat_template_kwargs
         config = self.accelerator.unwrap_model(self.model).config
         limit = getattr(config, "max_position_embeddings", None)
+        vocab = getattr(config, "vocab_size", None)
         completion = self.max_completion_length
 
         def tokenize_row(index: int) -> tuple[int, ...]:
             ids = _tokenize(index)
+            past = [t for t in ids if vocab is not None and t >= vocab]
+            if past:
+                raise ValueError(
+                    f"train_dataset row {index}: the prompt has token id {past[0]} "
+                    f"({tokenizer.convert_ids_to_tokens(past[0])!r}), past the model's vocabulary of {vocab}. Remove "
+                    "it from the data, or call model.resize_token_embeddings(len(tokenizer)) before building the "
+                    "trainer."
+                )
             if limit is not None and len(ids) + completion > limit:
                 # checked as each prompt is first used (tokenizing a whole dataset up front would be slow)
                 raise ValueError(
@@ -391,12 +423,16 @@ class AsyncGRPOTrainer(GRPOTrainer):
         tokenizer = copy.deepcopy(self.processing_class)
         scorer = RewardScorer(
             self.reward_funcs,
-            self.reward_processing_classes,
+            # own copies: a fast tokenizer used from two threads at once fails ("Already borrowed"), and the main
+            # thread keeps using the trainer's (evaluate() scores with them)
+            copy.deepcopy(self.reward_processing_classes),
             self.reward_func_names,
             self.chat_template_kwargs,
             self.accelerator.device,
             trainer_state=lambda: self.state,
+            event_loop=getattr(self, "async_loop", None),  # GRPOTrainer's loop, if any reward is async
         )
+        self._scorer = scorer
         dataset, group_size = self.train_dataset, self.num_generations
 
         def score_group(group: RolloutGroup) -> ScoredGroup:
@@ -521,7 +557,13 @@ class AsyncGRPOTrainer(GRPOTrainer):
             return
         mask, behaviour = output["completion_mask"], output["sampling_per_token_logps"]
         if a.off_policy_bypass:
-            prox = behaviour
+            # pi_prox := mu; a token without mu (NaN) has no ratio at all, so it leaves the loss (the weights below
+            # still see it and count it in is/behaviour_nan)
+            missing = torch.isnan(behaviour)
+            prox = behaviour.masked_fill(missing, 0.0)
+            if missing.any():
+                output["completion_mask"] = mask * ~missing
+                output["sampling_per_token_logps"] = prox
         elif output.get("old_per_token_logps") is not None:  # GRPOTrainer already computed it (same weights)
             prox = output["old_per_token_logps"]
         elif self._steps_per_batch == 1:

@@ -2,8 +2,10 @@
 
 Each line: optimizer ``step``, ``group_id``, ``worker_id``, ``prompt_index``, ``prompt`` (the dataset's prompt, text
 or messages), ``completion`` (decoded text), ``rewards`` (every reward function's value, ``null`` for None/NaN),
-``advantage``, ``staleness``, and ``versions`` (the policy version of each completion token). Generated text is
-written as data only; nothing here interprets it.
+``advantage``, ``staleness``, ``versions`` (the policy version of each completion token), and the token ids with the
+behaviour log-probs, enough to recompute every importance weight: ``prompt_ids``, ``completion_ids`` and ``logprobs``
+(mu of each completion token under the distribution it was sampled from; ``null`` where the backend gave none).
+Generated text is written as data only; nothing here interprets it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ def trajectory_records(
                 "advantage": float(advantage),
                 "staleness": scored.staleness,
                 "versions": list(group.versions[j]),
+                "prompt_ids": list(group.prompt_ids),
+                "completion_ids": list(group.completion_ids[j]),
+                "logprobs": [None if v is None or math.isnan(v) else v for v in group.logprobs[j]],
             }
         )
     return records

@@ -15,6 +15,7 @@ at once with the server's message.
 from __future__ import annotations
 
 import json
+import math
 import time
 import urllib.error
 import urllib.request
@@ -126,24 +127,7 @@ class VLLMServer:
     def generate(self, prompt_ids: Sequence[int], sampling_params: dict) -> list[Completion]:
         """``sampling_params['n']`` completions of one prompt, in choice order."""
         body = {"token_ids": list(prompt_ids), "sampling_params": sampling_params}
-        response = self.request("POST", "/inference/v1/generate", body)
-        completions = []
-        for choice in sorted(response["choices"], key=lambda c: c["index"]):
-            ids = tuple(choice["token_ids"])
-            content = (choice.get("logprobs") or {}).get("content") or []
-            if len(content) != len(ids):
-                raise VLLMServerError(
-                    f"{self.url} returned {len(content)} log-probs for {len(ids)} tokens: request logprobs=0"
-                )
-            completions.append(
-                Completion(
-                    token_ids=ids,
-                    logprobs=tuple(float(entry["logprob"]) for entry in content),
-                    versions=token_versions(choice.get("weight_versions"), len(ids)),
-                    finish_reason=choice.get("finish_reason"),
-                )
-            )
-        return completions
+        return completions_from_response(self.request("POST", "/inference/v1/generate", body), self.url)
 
     def pause(self, mode: str) -> None:
         self.request("POST", f"/pause?mode={mode}")
@@ -169,3 +153,23 @@ class VLLMServer:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.request("POST", "/finish_weight_update", {"weight_version": weight_version})
+
+
+def completions_from_response(response: dict, url: str) -> list[Completion]:
+    """The choices of a ``/inference/v1/generate`` response in choice order. A null log-prob (vLLM writes a NaN as
+    null) becomes NaN: the correction gives such a token ratio 1 and counts it, as GRPOTrainer does."""
+    completions = []
+    for choice in sorted(response["choices"], key=lambda c: c["index"]):
+        ids = tuple(choice["token_ids"])
+        content = (choice.get("logprobs") or {}).get("content") or []
+        if len(content) != len(ids):
+            raise VLLMServerError(f"{url} returned {len(content)} log-probs for {len(ids)} tokens: request logprobs=0")
+        completions.append(
+            Completion(
+                token_ids=ids,
+                logprobs=tuple(math.nan if e["logprob"] is None else float(e["logprob"]) for e in content),
+                versions=token_versions(choice.get("weight_versions"), len(ids)),
+                finish_reason=choice.get("finish_reason"),
+            )
+        )
+    return completions
