@@ -172,7 +172,11 @@ def test_every_loss_type_matches_grpo_trainer_on_policy_and_trains(tmp_path, tin
         assert all("vespo/phi_seq_mean" in h for h in logs)
 
 
-def test_peft_lora_workers_receive_merged_weights(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize(
+    "targets", [["q_proj", "v_proj"], ["q_proj", "embed_tokens"]], ids=["attention", "embedding"]
+)
+def test_peft_lora_workers_receive_merged_weights(tmp_path, tiny_model_dir, targets):
+    """peft keeps an embedding's adapter in lora_embedding_A/B, not lora_A/B: it must be merged too."""
     from peft import LoraConfig
 
     args = async_args(tmp_path, max_steps=3, rollout_verify_weights=True, learning_rate=5e-2)
@@ -181,7 +185,7 @@ def test_peft_lora_workers_receive_merged_weights(tmp_path, tiny_model_dir):
         reward_funcs=length_reward,
         args=args,
         train_dataset=text_dataset(),
-        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False),
     )
     trainer.train()
     pool = trainer.last_rollout_pool

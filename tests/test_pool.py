@@ -3,6 +3,7 @@ and lost workers (killed, stopped) restarted with their groups generated again."
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -113,6 +114,29 @@ def test_stale_groups_are_dropped_counted_and_their_prompts_regenerated():
         assert pool.dropped_groups == 2 and stats.dropped_samples_total == 2 * G
         assert sorted(g.group.prompt_index for g in groups) == [0, 1]  # same prompts, generated again
         assert all(set(g.group.token_versions) == {1} for g in groups)
+    finally:
+        pool.close()
+
+
+def test_a_group_already_too_stale_when_it_arrives_is_dropped_without_scoring():
+    """Reward calls can be expensive (a verifier, a judge): a group that no future batch could take is not scored."""
+    release, scored_versions = threading.Event(), []
+
+    def score(group):
+        scored_versions.append(min(group.token_versions))
+        if len(scored_versions) == 1:
+            release.wait(30)  # the second version-0 group arrives while version 1 is published
+        return ScoredGroup(group, rewards=torch.zeros(G, 1))
+
+    pool, model = make_pool(max_staleness=0, score=score)
+    try:
+        wait_until(lambda: len(scored_versions) == 1)
+        pool.publish([list(model.named_parameters())], version=1)
+        release.set()
+        groups, _ = pool.take(2, consumer_version=1)
+        assert pool.dropped_groups == 2 and sorted(g.group.prompt_index for g in groups) == [0, 1]
+        assert sorted(scored_versions) == [0, 1, 1]  # the second version-0 group was never scored
+        assert pool.dropped_unscored == 1
     finally:
         pool.close()
 

@@ -68,3 +68,36 @@ def test_a_pull_overtaken_by_two_publishes_retries_and_never_mixes_versions():
     assert shared.pull_into(params, have_version=0) == 3  # retried after detecting the overwrite
     assert torch.equal(target["a"], torch.full((3,), 3.0)) and torch.equal(target["b"], torch.full((3,), 3.0))
     # the trainer never waited: both publishes completed while the pull was in progress
+
+
+def test_a_pull_descheduled_between_reading_the_version_and_the_counter_never_mislabels_a_set():
+    """The version must be read inside the seqlock window (after the counter): a worker that read version 1, was
+    descheduled across two publishes into the same buffer, then read the (even) counter would copy version 3's
+    tensors and call them version 1."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    shared = SharedMemoryWeights({"a": ((3,), torch.float32)}, ctx)
+
+    def publish(value, version):
+        shared.publish([[("a", torch.full((3,), value))]], version)
+
+    publish(1.0, 1)  # buffer 1 is the newest
+
+    class Deschedule:  # the versions array, as a worker sees it: two publishes happen right after its first read
+        def __init__(self, array):
+            self.array, self.fired = array, False
+
+        def __getitem__(self, i):
+            value = self.array[i]
+            if not self.fired:
+                self.fired = True
+                publish(2.0, 2)  # buffer 0
+                publish(3.0, 3)  # buffer 1 again: the one being read
+            return value
+
+        def __setitem__(self, i, value):
+            self.array[i] = value
+
+    shared._versions = Deschedule(shared._versions)
+    target = {"a": torch.zeros(3)}
+    version = shared.pull_into(target, have_version=0)
+    assert torch.equal(target["a"], torch.full((3,), float(version)))  # the tensors are the version it reports

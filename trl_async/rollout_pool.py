@@ -98,6 +98,7 @@ class RolloutPool:
         self._expected_digests: dict[int, str] = {}
         self.dropped_samples = 0
         self.dropped_groups = 0
+        self.dropped_unscored = 0  # of those, dropped on arrival, before scoring
         self.verified_adoptions = 0
         self.worker_versions: dict[int, int] = {}
         self.worker_restarts = 0
@@ -151,12 +152,8 @@ class RolloutPool:
                 while self._ready and len(taken) < n:
                     scored = self._ready.popleft()
                     s = staleness(consumer_version, scored.group.token_versions)
-                    if s > self.settings.max_staleness:  # never train on it; generate its prompt again
-                        self._admitted -= 1
-                        self.dropped_groups += 1
-                        self.dropped_samples += len(scored.group.completion_ids)
-                        self._prompts.push_front(scored.group.prompt_index)
-                        self._cv.notify_all()
+                    if s > self.settings.max_staleness:
+                        self._drop_stale(scored.group)
                         continue
                     taken.append(replace(scored, staleness=s))
                 if len(taken) == n:
@@ -184,6 +181,14 @@ class RolloutPool:
             gen_tokens_per_s=rate,
         )
         return taken, stats
+
+    def _drop_stale(self, group: RolloutGroup) -> None:
+        """Never train on ``group``; generate its prompt again (caller holds the lock)."""
+        self._admitted -= 1
+        self.dropped_groups += 1
+        self.dropped_samples += len(group.completion_ids)
+        self._prompts.push_front(group.prompt_index)
+        self._cv.notify_all()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop threads and workers; every worker process is joined (killed if it does not stop in time)."""
@@ -313,6 +318,15 @@ class RolloutPool:
                 self._last_call[msg.worker_id] = msg.generate_started_at
                 end = msg.generate_started_at + msg.generate_s
                 self.activity.append(("generate", msg.worker_id, msg.generate_started_at, end))
+            with self._cv:
+                # the trainer consumes at a version >= the last one published: a group already too stale for it is
+                # dropped now, before its (possibly expensive) reward calls
+                if self._published is not None and staleness(self._published, msg.token_versions) > (
+                    self.settings.max_staleness
+                ):
+                    self.dropped_unscored += 1
+                    self._drop_stale(msg)
+                    return
             scoring_started = time.time()
             scored = self._score_group(msg)
             self.activity.append(("score", msg.worker_id, scoring_started, time.time()))

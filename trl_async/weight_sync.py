@@ -67,14 +67,17 @@ def _peft_units(model, persistent_only: bool) -> list[_Unit]:
         if not isinstance(module, LoraLayer) or module.disable_adapters:
             continue
         base = module.get_base_layer()
-        adapters = [a for a in module.active_adapters if a in module.lora_A]
+        # peft keeps an nn.Embedding's adapter in lora_embedding_A/B (plain parameters), other layers' in lora_A/B
+        factors = {a: (module.lora_A[a].weight, module.lora_B[a].weight) for a in module.lora_A}
+        factors.update({a: (module.lora_embedding_A[a], module.lora_embedding_B[a]) for a in module.lora_embedding_A})
+        adapters = [a for a in module.active_adapters if a in factors]
         for a in adapters:
             if a in getattr(module, "lora_variant", {}) or getattr(module, "lora_bias", {}).get(a, False):
                 raise NotImplementedError(
                     f"{module_name}: only plain LoRA adapters can be merged for the rollout workers (not DoRA or "
                     "other variants, nor lora_bias)"
                 )
-        extra = [p for a in adapters for p in (module.lora_A[a].weight, module.lora_B[a].weight)]
+        extra = [p for a in adapters for p in factors[a]]
 
         def merged(base=base, module=module, adapters=adapters):
             weight = base.weight.data.clone()

@@ -106,7 +106,8 @@ class SharedMemoryWeights:
         """
         while True:
             index = self._newest.value
-            version, seq = int(self._versions[index]), self._seq[index]
+            seq = self._seq[index]  # the counter first: the version is then read inside the checked window
+            version = int(self._versions[index])
             if version <= have_version:
                 return None
             if seq % 2:  # overwritten right now (two publishes since we looked): look again
