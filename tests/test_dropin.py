@@ -211,6 +211,23 @@ def test_eval_dataset_is_evaluated_with_current_weights(tmp_path, tiny_model_dir
     assert "eval_async/staleness_max" not in evals[0]  # evaluation is synchronous, not from the queue
 
 
+def test_fsdp_and_quantized_models_are_refused_before_loading_anything(tmp_path, tiny_model_dir, monkeypatch):
+    from transformers import BitsAndBytesConfig  # bitsandbytes itself is not installed: refused before it is needed
+
+    supported = "Supported: one process, DDP, DeepSpeed ZeRO-2 and ZeRO-3, and LoRA on an unquantized base"
+    common = dict(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=text_dataset())
+    with pytest.raises(NotImplementedError, match=rf"FSDP \(fsdp in the training.*{supported}"):
+        AsyncGRPOTrainer(**common, args=async_args(tmp_path, fsdp=True))  # GRPOTrainer: "only works in distributed"
+    quantized = BitsAndBytesConfig(load_in_4bit=True)
+    with pytest.raises(NotImplementedError, match=rf"quantized models \(quantization_config\).*{supported}"):
+        AsyncGRPOTrainer(**common, args=async_args(tmp_path), quantization_config=quantized)
+    with pytest.raises(NotImplementedError, match=r"quantized models \(quantization_config\)"):
+        AsyncGRPOTrainer(**common, args=async_args(tmp_path, model_init_kwargs={"quantization_config": quantized}))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch` with an FSDP config sets
+    with pytest.raises(NotImplementedError, match="an accelerate FSDP config"):
+        AsyncGRPOTrainer(**common, args=async_args(tmp_path))
+
+
 @pytest.mark.parametrize(
     "kwargs,error,match",
     [

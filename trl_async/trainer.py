@@ -43,6 +43,26 @@ from .worker_process import ProcessBackend
 logger = logging.get_logger(__name__)
 
 
+def unsupported_setup(model, args, quantization_config) -> str | None:
+    """What in GRPOTrainer's arguments the weight sync cannot serve (``None``: nothing), checked before any model is
+    loaded: FSDP (from the config or from ``accelerate launch``) and quantized base models."""
+    if (args is not None and getattr(args, "fsdp", None)) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in (
+        "true",
+        "1",
+    ):
+        return "FSDP (fsdp in the training arguments or an accelerate FSDP config)"
+    init_kwargs = (getattr(args, "model_init_kwargs", None) or {}) if args is not None else {}
+    if quantization_config is not None or init_kwargs.get("quantization_config") is not None:
+        return "quantized models (quantization_config)"
+    if not isinstance(model, str):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if getattr(base, "hf_quantizer", None) is not None or any(
+            getattr(base, flag, False) for flag in ("is_loaded_in_4bit", "is_loaded_in_8bit")
+        ):
+            return "quantized models (the model was loaded quantized)"
+    return None
+
+
 class _PublishWeights(TrainerCallback):
     """After every ``weight_sync_steps``-th optimizer step, publish the trainer's weights as a new version."""
 
@@ -86,6 +106,13 @@ class AsyncGRPOTrainer(GRPOTrainer):
                     f"AsyncGRPOTrainer does not support `{name}` yet: multi-turn and custom rollouts need the rollout "
                     f"workers to run them. Use trl.GRPOTrainer for `{name}`."
                 )
+        refused = unsupported_setup(model, args, quantization_config)
+        if refused:
+            raise NotImplementedError(
+                f"AsyncGRPOTrainer does not support {refused}: its rollout workers receive the full, unquantized "
+                "policy weights after every sync. Supported: one process, DDP, DeepSpeed ZeRO-2 and ZeRO-3, and LoRA "
+                "on an unquantized base model. Use trl.GRPOTrainer for this set-up."
+            )
         if args is not None and getattr(args, "use_vllm", False):
             raise ValueError(
                 "AsyncGRPOTrainer generates in its own rollout workers: leave `use_vllm=False` and choose the engine "
