@@ -21,8 +21,9 @@ class RecordingTrainer(AsyncGRPOTrainer):
         return super()._forward_reward_logs(rows)
 
 
-def _train(model_dir, out, stop_at=None, resume=None):
-    args = async_args(out, max_steps=4, max_staleness=1, save_strategy="steps", save_steps=2, seed=3)
+def _train(model_dir, out, stop_at=None, resume=None, **overrides):
+    settings = dict(max_steps=4, max_staleness=1, save_strategy="steps", save_steps=2, seed=3)
+    args = async_args(out, **{**settings, **overrides})
     trainer = RecordingTrainer(model=model_dir, reward_funcs=letter_reward, args=args, train_dataset=text_dataset(12))
     if stop_at is not None:  # stop after the checkpoint at step 2, as a pre-empted job would
 
@@ -56,3 +57,27 @@ def test_resume_consumes_the_same_prompts_with_continuous_versions(tmp_path, tin
     assert second.state.global_step == 4 and no_rollout_children()
     logs = [h for h in second.state.log_history if "async/staleness_max" in h]
     assert logs and max(h["async/staleness_max"] for h in logs) <= 1
+
+
+def test_resume_inside_a_generation_batch_drops_nothing_and_follows_grpo_trainers_schedule(tmp_path, tiny_model_dir):
+    """2 optimizer steps per generation batch (steps_per_generation=4, gradient_accumulation_steps=2), resumed at step
+    3, inside batch 1. GRPOTrainer has no buffered batch after a resume, so it generates at step 3 from batch 1's
+    prompts and then every 2 steps (5, 7, ...). Admission must expect consumption at 3, 5, not 4: with
+    max_staleness=0 a batch admitted one version early is dropped as stale, doubling the generation work."""
+    schedule = dict(max_steps=6, max_staleness=0, steps_per_generation=4, gradient_accumulation_steps=2,
+                    save_steps=3, per_device_train_batch_size=4)  # fmt: skip
+    straight = _train(tiny_model_dir, tmp_path / "straight", **schedule)
+    first = _train(tiny_model_dir, tmp_path / "split", stop_at=3, **schedule)
+    second = _train(tiny_model_dir, tmp_path / "split", resume=str(tmp_path / "split" / "checkpoint-3"), **schedule)
+
+    assert [s for s, _, _ in straight.consumed] == [0, 2, 4] and [s for s, _, _ in first.consumed] == [0, 2]
+    assert [s for s, _, _ in second.consumed] == [3, 5]
+    batches = [p for _, p, _ in straight.consumed]
+    assert len({tuple(p) for p in batches}) == 3  # batches see different prompts: a real check
+    # batch 1 again at the resumed step (its completions were half used when the job stopped), then batch 2
+    assert [p for _, p, _ in second.consumed] == batches[1:3]
+    assert all(step == oldest for step, _, oldest in second.consumed)  # on-policy, max_staleness=0
+    pool = second.last_rollout_pool
+    assert pool.dropped_groups == 0  # nothing generated one version early and thrown away
+    assert second.state.global_step == 6 and no_rollout_children()
+

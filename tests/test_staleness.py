@@ -41,9 +41,18 @@ def test_admission_with_slack_and_multi_step_batches():
     assert max_groups_admitted(1, 1, 4, 2) == 8
 
 
-def test_admission_counts_from_the_resumed_batch():
+def test_admission_counts_from_the_resumed_step():
     # resumed at version 10 (batch 10): version 10 published, staleness 0 -> just batch 10
-    assert max_groups_admitted(10, 0, 3, 1, first_batch=10) == 3
-    assert max_groups_admitted(9, 0, 3, 1, first_batch=10) == 0
+    assert max_groups_admitted(10, 0, 3, 1, start_version=10) == 3
+    assert max_groups_admitted(9, 0, 3, 1, start_version=10) == 0
+
+
+def test_admission_after_a_resume_inside_a_generation_batch():
+    # 2 optimizer steps per batch, resumed at step 3: GRPOTrainer generates at the resumed step, so batches are
+    # consumed at versions 3, 5, 7. With max_staleness=0, version 4 must not admit the batch consumed at 5.
+    assert max_groups_admitted(3, 0, 2, 2, start_version=3) == 2  # the batch consumed at 3
+    assert max_groups_admitted(4, 0, 2, 2, start_version=3) == 2  # not yet the one consumed at 5
+    assert max_groups_admitted(5, 0, 2, 2, start_version=3) == 4
+    assert max_groups_admitted(4, 1, 2, 2, start_version=3) == 4  # staleness 1: 5 - 4 = 1 is fresh
     with pytest.raises(ValueError):
         max_groups_admitted(0, -1, 4, 1)

@@ -252,7 +252,7 @@ class RolloutPool:
             s.max_staleness,
             s.groups_per_batch,
             s.steps_per_batch,
-            s.start_version // s.steps_per_batch,
+            s.start_version,
         )
         return min(by_staleness, self._consumed + s.queue_size)
 

@@ -38,22 +38,25 @@ def is_fresh(consumer_version: int, token_versions: Iterable[int], max_staleness
 
 
 def max_groups_admitted(
-    published_version: int, max_staleness: int, groups_per_batch: int, steps_per_batch: int, first_batch: int = 0
+    published_version: int, max_staleness: int, groups_per_batch: int, steps_per_batch: int, start_version: int = 0
 ) -> int:
     """How many groups may have been admitted (consumed + queued + in flight, not counting drops) in total, once
     ``published_version`` is the newest version the workers can load. AReaL's admission rule, in batches.
 
     The trainer consumes one generation batch of ``groups_per_batch`` groups every ``steps_per_batch`` optimizer steps,
-    so batch ``j`` (counted from ``first_batch``, the batch the run started or resumed at) is consumed at version
-    ``j * steps_per_batch``. A group generated now, with version ``>= published_version``, is fresh when consumed in batch
-    ``j`` iff ``j * steps_per_batch - published_version <= max_staleness``, i.e. ``j <= (published_version +
-    max_staleness) // steps_per_batch``. Batches ``first_batch .. that j`` hold the returned number of groups; groups
-    are consumed in admission order, so admitting one more could only be consumed too late.
+    starting at ``start_version`` (0, or the step the run resumed at: GRPOTrainer generates a fresh batch at the
+    resumed step even inside a generation batch), so the ``i``-th batch of this run is consumed at version
+    ``start_version + i * steps_per_batch``. A group generated now, with version ``>= published_version``, is fresh
+    when consumed in batch ``i`` iff ``start_version + i * steps_per_batch - published_version <= max_staleness``, i.e.
+    ``i <= (published_version + max_staleness - start_version) // steps_per_batch``. Batches ``0 .. that i`` hold the
+    returned number of groups; groups are consumed in admission order, so admitting one more could only be consumed
+    too late.
 
     Example: ``max_staleness=0``, one step per batch, 4 groups per batch: with version 0 published, 4 groups (batch 0)
     may be admitted; after step 1 is published, 8 in total: generation and training alternate, as in sync GRPO.
+    Resumed at step 3 with 2 steps per batch: batches are consumed at versions 3, 5, 7, ... (not 4, 6, ...).
     """
-    if min(max_staleness, published_version, first_batch) < 0 or groups_per_batch < 1 or steps_per_batch < 1:
+    if min(max_staleness, published_version, start_version) < 0 or groups_per_batch < 1 or steps_per_batch < 1:
         raise ValueError("versions and max_staleness must be >= 0; groups_per_batch and steps_per_batch >= 1")
-    last_fresh_batch = (published_version + max_staleness) // steps_per_batch
-    return max(0, last_fresh_batch - first_batch + 1) * groups_per_batch
+    last_fresh_batch = (published_version + max_staleness - start_version) // steps_per_batch
+    return max(0, last_fresh_batch + 1) * groups_per_batch
