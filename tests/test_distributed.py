@@ -9,6 +9,7 @@ machine compiles a C++ op (~2 min, cached in ~/.cache/torch_extensions).
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +88,50 @@ def test_zero3_trainer_pushes_its_gathered_weights_to_a_vllm_server(tmp_path, vl
     for r in (0, 1):
         for row in map(json.loads, (tmp_path / "run" / f"traj.jsonl.rank{r}").read_text().splitlines()):
             assert row["versions"] and all(row["step"] - 1 <= v <= row["step"] for v in row["versions"])
+
+
+def test_a_reward_model_under_zero3_scores_on_rank_0_without_the_other_rank(tmp_path, tiny_model_dir):
+    """GRPOTrainer shards reward models with DeepSpeed at stage 3, so their forward is a collective; our scorer runs
+    on rank 0's background thread, where the other rank never joins. Rank 0 keeps an unsharded copy for scoring: the
+    run finishes, and every recorded score equals the reward model's own output on that text."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    rm_dir = tmp_path / "rm"
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(rm_dir)
+    tokenizer.save_pretrained(rm_dir)
+    out = tmp_path / "result.json"
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/accelerate/zero3.yaml"),
+        str(ROOT / "tests/distributed/train_and_check.py"), "--model", tiny_model_dir, "--out", str(out),
+        "--reward_model", str(rm_dir),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired as exc:
+        import psutil  # torchrun starts each rank in its own session: kill the whole tree, then the pipes close
+
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError("ZeRO-3 training with a reward model hung (300 s)") from exc
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    assert json.loads(out.read_text())["zero_stage"] == 3
+    rm = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
+    rows = [json.loads(x) for r in (0, 1) for x in (tmp_path / "run" / f"traj.jsonl.rank{r}").read_text().splitlines()]
+    assert len(rows) == 3 * 8
+    for row in rows:
+        ids = tokenizer(row["prompt"] + row["completion"], return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            expected = rm(**ids).logits[0, 0].item()
+        assert row["rewards"]["rm"] == pytest.approx(expected, abs=1e-4)
 
 
 def test_a_rank_that_stops_arriving_is_named_not_waited_for_forever(tmp_path, tiny_model_dir):

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import broadcast_object_list, gather, is_peft_model
 from datasets import IterableDataset
+from torch import nn
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 from transformers.utils import logging
@@ -140,6 +141,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         )
         self.async_args = async_fields_of(self.args)
         self._check_async_supported()
+        self._scoring_reward_funcs = self._reward_funcs_for_scoring()  # collective under ZeRO-3: every rank
         gen_batch = self.args.generation_batch_size
         self._groups_per_batch = gen_batch // self.num_generations
         per_batch = self.args.steps_per_generation * self.num_iterations
@@ -220,6 +222,35 @@ class AsyncGRPOTrainer(GRPOTrainer):
             "embedding table. Training goes on (pad, eos and bos are inside it); a prompt containing one of them "
             "fails with its row named."
         )
+
+    def _reward_funcs_for_scoring(self) -> list:
+        """The reward functions the background scorer calls (main process). Under ZeRO-3 GRPOTrainer shards reward
+        models with DeepSpeed, so each forward is a collective every rank must join; the scorer runs on the main
+        process's background thread, alone. So every rank gathers each reward model once, here, and the main
+        process keeps a plain, unsharded copy to score with (the cost: one full reward model in its memory)."""
+        funcs = list(self.reward_funcs)
+        if not self._dist.is_zero3:
+            return funcs
+        for i, func in enumerate(funcs):
+            if isinstance(func, nn.Module):
+                module = getattr(func, "module", func)  # the DeepSpeed engine's model
+                with self._dist.gather_params(list(module.parameters())):
+                    state = (
+                        {k: v.detach().clone() for k, v in module.state_dict().items()}
+                        if self.accelerator.is_main_process
+                        else None
+                    )
+                if state is not None:
+                    from transformers.modeling_utils import set_zero3_state
+
+                    # transformers would wrap a model built under ZeRO-3 in zero.Init (a collective, on rank 0 alone:
+                    # a hang); marking zero.Init as already entered makes it build plain tensors
+                    with set_zero3_state():
+                        copy_ = type(module)(module.config)
+                    copy_.load_state_dict(state)
+                    dtype = next(module.parameters()).dtype
+                    funcs[i] = copy_.to(device=self.accelerator.device, dtype=dtype).eval().requires_grad_(False)
+        return funcs
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
     def train(self, *args, **kwargs):
@@ -449,7 +480,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def _make_score_group(self):
         tokenizer = copy.deepcopy(self.processing_class)
         scorer = RewardScorer(
-            self.reward_funcs,
+            self._scoring_reward_funcs,
             # own copies: a fast tokenizer used from two threads at once fails ("Already borrowed"), and the main
             # thread keeps using the trainer's (evaluate() scores with them)
             copy.deepcopy(self.reward_processing_classes),

@@ -25,6 +25,7 @@ def main():
     parser.add_argument("--use_cpu", action="store_true", help="DDP on CPU: accelerate's MULTI_CPU (gloo)")
     parser.add_argument("--stall_rank1", type=float, default=0.0, help="rank 1 sleeps this long before step 2")
     parser.add_argument("--vllm_url", default=None, help="generate on this vLLM server (weights pushed over gloo)")
+    parser.add_argument("--reward_model", default=None, help="also score with this sequence-classification model")
     cli = parser.parse_args()
     torch.set_num_threads(1)
     args = AsyncGRPOConfig(
@@ -68,9 +69,11 @@ def main():
 
         callbacks.append(Stall())
         args.rollout_timeout_s = 15.0
+    reward_funcs = [reward, cli.reward_model] if cli.reward_model else reward
     trainer = AsyncGRPOTrainer(
-        model=cli.model, reward_funcs=reward, args=args, train_dataset=ds, peft_config=peft_config, callbacks=callbacks
-    )
+        model=cli.model, reward_funcs=reward_funcs, args=args, train_dataset=ds, peft_config=peft_config,
+        callbacks=callbacks,
+    )  # fmt: skip
     try:
         trainer.train()
     except RuntimeError as exc:
