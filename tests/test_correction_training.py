@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 
 from trl_async import AsyncGRPOTrainer
 
@@ -47,10 +48,24 @@ def test_modes_with_forced_staleness(tmp_path, tiny_model_dir, mode, bypass):
         assert any(h["is/ratio_max"] - h["is/ratio_min"] > 1e-3 for h in stale)
 
 
-def test_none_mode_skips_the_proximal_forward_and_logs_no_weights(tmp_path, tiny_model_dir):
-    args = async_args(tmp_path, max_steps=2, max_staleness=0, off_policy_correction="none")
-    trainer = AsyncGRPOTrainer(
-        model=tiny_model_dir, reward_funcs=letter_reward, args=args, train_dataset=text_dataset()
-    )
+@pytest.mark.parametrize("steps_per_generation", [1, 2])
+@pytest.mark.parametrize("mode", ["none", "decoupled"])
+def test_correction_adds_no_forward_pass_to_grpo_trainers_own(tmp_path, tiny_model_dir, mode, steps_per_generation):
+    """On stale batches (weights reach the workers every 3 steps), pi_prox is a forward GRPOTrainer runs anyway: the
+    loss's own (one optimizer step per generation batch) or its old-log-prob pass (several steps per batch, in chunks
+    of per_device_train_batch_size). Neither 'none' nor 'decoupled' may add one; 'none' logs no weights."""
+    args = async_args(tmp_path, max_steps=4, max_staleness=3, weight_sync_steps=3, off_policy_correction=mode,
+                      steps_per_generation=steps_per_generation, per_device_train_batch_size=4)  # fmt: skip
+    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=letter_reward, args=args,
+                               train_dataset=text_dataset())  # fmt: skip
+    forwards = []
+    trainer.model.register_forward_pre_hook(lambda module, inputs: forwards.append(torch.is_grad_enabled()))
     trainer.train()
-    assert not any("is/ess" in h for h in trainer.state.log_history)
+    logs = [h for h in trainer.state.log_history if "async/staleness_max" in h]
+    assert max(h["async/staleness_max"] for h in logs) >= 1  # stale samples were trained on
+    steps = trainer.state.global_step
+    assert forwards.count(True) == steps  # the loss forward
+    batches = steps // steps_per_generation
+    old_logp_chunks = 0 if steps_per_generation == 1 else 8 // 4  # a batch of 8 rows, chunks of 4
+    assert forwards.count(False) == batches * old_logp_chunks
+    assert any("is/ess" in h for h in trainer.state.log_history) == (mode != "none")

@@ -1,6 +1,8 @@
 """Drop-in compatibility: what a GRPOTrainer user passes keeps working, and what cannot work yet fails clearly."""
 
 import asyncio
+import copy
+import json
 import math
 import subprocess
 import sys
@@ -24,15 +26,24 @@ def length_reward(completions, **kwargs):
 def test_closure_and_two_weighted_rewards(tmp_path, tiny_model_dir):
     target = "a"
     count_target = lambda completions, **kw: [c.count(target) for c in completions]  # noqa: E731 - a real closure
-    args = async_args(tmp_path, max_steps=2, reward_weights=[2.0, 0.5])
+    args = async_args(tmp_path, max_steps=2, reward_weights=[2.0, 0.5], rollout_trajectory_file="traj.jsonl")
     trainer = AsyncGRPOTrainer(
         model=tiny_model_dir, reward_funcs=[count_target, length_reward], args=args, train_dataset=text_dataset()
     )
     trainer.train()
-    last = [h for h in trainer.state.log_history if "reward" in h][-1]
-    # GRPOTrainer's weighted sum: reward = 2 * mean(count) + 0.5 * mean(length)
-    expected = 2.0 * last["rewards/<lambda>/mean"] + 0.5 * last["rewards/length_reward/mean"]
-    assert last["reward"] == pytest.approx(expected, rel=1e-5)
+    rows = [json.loads(x) for x in (tmp_path / "traj.jsonl").read_text().splitlines()]
+    for row in rows:  # each function's value, recomputed from the completion it scored (swapped columns fail)
+        assert row["rewards"]["<lambda>"] == row["completion"].count("a")
+        assert row["rewards"]["length_reward"] == pytest.approx(len(row["completion"]) / 6)
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    for step, log in enumerate(logs):
+        mine = [r for r in rows if r["step"] == step]
+        count = sum(r["completion"].count("a") for r in mine) / len(mine)
+        length = sum(len(r["completion"]) / 6 for r in mine) / len(mine)
+        assert log["rewards/<lambda>/mean"] == pytest.approx(count, rel=1e-5)
+        assert log["rewards/length_reward/mean"] == pytest.approx(length, rel=1e-5)
+        # GRPOTrainer's weighted sum: reward = 2 * mean(count) + 0.5 * mean(length)
+        assert log["reward"] == pytest.approx(2.0 * count + 0.5 * length, rel=1e-5)
 
 
 def test_conversational_dataset(tmp_path, tiny_model_dir):
@@ -207,8 +218,18 @@ def test_eval_dataset_is_evaluated_with_current_weights(tmp_path, tiny_model_dir
     )
     trainer.train()
     evals = [h for h in trainer.state.log_history if "eval_reward" in h]
-    assert len(evals) == 1 and 0 <= evals[0]["eval_reward"] <= 1
-    assert "eval_async/staleness_max" not in evals[0]  # evaluation is synchronous, not from the queue
+    assert len(evals) == 1 and "eval_async/staleness_max" not in evals[0]  # synchronous, not from the queue
+    # the same as GRPOTrainer.evaluate on the same weights, with the same random state
+    from trl import GRPOTrainer
+
+    reference = GRPOTrainer(model=copy.deepcopy(trainer.model), reward_funcs=length_reward, args=args,
+                            train_dataset=text_dataset(), eval_dataset=text_dataset(8))  # fmt: skip
+    results = []
+    for t in (trainer, reference):
+        torch.manual_seed(123)
+        results.append(t.evaluate())
+    assert results[0]["eval_reward"] == results[1]["eval_reward"]
+    assert results[0]["eval_completions/mean_length"] == results[1]["eval_completions/mean_length"]
 
 
 def test_fsdp_and_quantized_models_are_refused_before_loading_anything(tmp_path, tiny_model_dir, monkeypatch):
@@ -290,7 +311,6 @@ def test_script_without_main_guard_trains_and_exits(tmp_path, tiny_model_dir):
 
 
 def test_trajectory_file_records_every_consumed_completion(tmp_path, tiny_model_dir):
-    import json
 
     def first_letter(prompts, completions, **kwargs):
         return [1.0 if c.startswith("a") else 0.0 for c in completions]

@@ -106,6 +106,151 @@ def test_vllm_backend_config_errors():
         AsyncGRPOConfig(output_dir="x", rollout_backend="vllm", rollout_vllm_urls=["localhost:8000"], bf16=False)
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("label", ["other-client-7", "v3", "3.5", "", None])
+def test_tokens_sampled_by_weights_another_client_labelled_are_rejected(label):
+    spans = [{"version": "4", "start": 0, "end": 2}, {"version": label, "start": 2, "end": 3}]
+    with pytest.raises(VLLMServerError, match=f"tokens 2..3 were sampled by weights labelled {label!r}"):
+        token_versions(spans, 3)
+    response = {"choices": [{"index": 0, "token_ids": [5, 6, 7], "logprobs": {"content": [{"logprob": -1.0}] * 3},
+                             "weight_versions": spans}]}  # fmt: skip
+    with pytest.raises(VLLMServerError, match="another client"):  # what a lane parses every response with
+        completions_from_response(response, "http://server")
+
+
+class _StubServer:
+    """Just the two endpoints a lane uses: ``GET /health`` and ``POST /inference/v1/generate``, answered with ``n``
+    one-token completions (EOS) whose weights are labelled ``label``. Each generate request is held until ``release``
+    is set, so the requests a server holds are its load."""
+
+    def __init__(self, label: str = "0") -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.label = label
+        self.release = threading.Event()
+        self.received = 0
+        lock, stub = threading.Lock(), self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _reply(self, payload: bytes) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def do_GET(self):
+                self._reply(b"")
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with lock:
+                    stub.received += 1
+                stub.release.wait(60)
+                choice = {"token_ids": [1], "logprobs": {"content": [{"logprob": -0.5}]}, "finish_reason": "stop",
+                          "weight_versions": [{"version": stub.label, "start": 0, "end": 1}]}  # fmt: skip
+                n = body["sampling_params"]["n"]
+                self._reply(json.dumps({"choices": [{**choice, "index": i} for i in range(n)]}).encode())
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self) -> None:
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _pool_over(stubs, queue_size, timeout_s=30.0):
+    """A rollout pool whose lanes are real ``VLLMLane``s (as the trainer builds them: each may hold the whole queue)
+    talking to ``stubs``; only the start-up checks and the weight push are left out."""
+    from types import SimpleNamespace
+
+    from trl_async.prompts import PromptStream
+    from trl_async.rollout_pool import PoolSettings, RolloutPool, ScoredGroup
+    from trl_async.vllm_backend import VLLMBackend, VLLMLaneSpec
+
+    backend = VLLMBackend.__new__(VLLMBackend)
+    backend.specs = [
+        VLLMLaneSpec(
+            i, s.url, {"n": 2, "max_tokens": 1}, (1,), seed=0, max_requests=queue_size, request_timeout_s=60, retry_s=1
+        )
+        for i, s in enumerate(stubs)
+    ]
+    backend.max_outstanding, backend.pause_mode, backend.lanes = queue_size, "keep", []
+    backend.pusher = SimpleNamespace(push=lambda buckets, version, mode: 0.0)
+    settings = PoolSettings(
+        groups_per_batch=2,
+        steps_per_batch=1,
+        max_staleness=100,  # admission is bounded by queue_size alone
+        queue_size=queue_size,
+        timeout_s=timeout_s,
+        start_version=0,
+        verify_weights=False,
+    )
+    prompts = PromptStream(64, 2, shuffle=False, seed=0)
+    pool = RolloutPool(
+        backend, settings, prompts, lambda i: (5, 6, 7), lambda g: ScoredGroup(g, rewards=torch.zeros(2, 1))
+    )
+    pool.publish([], version=0)
+    return pool
+
+
+def _wait_until(predicate, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+@pytest.mark.unit
+def test_each_group_goes_to_the_least_loaded_server():
+    stubs = [_StubServer() for _ in range(3)]
+    pool = _pool_over(stubs, queue_size=6)
+    try:
+        # every server holds its requests: 6 admitted groups spread 2/2/2, though any one server had room for all 6
+        _wait_until(lambda: pool.admitted == 6 and sum(s.received for s in stubs) == 6)
+        assert [len(pool.outstanding(i)) for i in range(3)] == [2, 2, 2]
+        assert [s.received for s in stubs] == [2, 2, 2]
+        # server 1 finishes its two groups; the trainer consumes them, which admits two more: both go to server 1,
+        # now the least loaded (0 against 2 and 2), not round-robin to servers 0 and 1
+        stubs[1].release.set()
+        groups, _ = pool.take(2, consumer_version=0)
+        assert {g.group.worker_id for g in groups} == {1}
+        _wait_until(lambda: pool.admitted == 8 and sum(s.received for s in stubs) == 8)
+        assert [s.received for s in stubs] == [2, 4, 2]
+    finally:
+        for s in stubs:
+            s.release.set()
+        pool.close()
+        for s in stubs:
+            s.close()
+
+
+@pytest.mark.unit
+def test_a_server_sampling_with_another_clients_weights_stops_training_naming_it():
+    good, foreign = _StubServer(label="0"), _StubServer(label="other-trainer:3")
+    good.release.set()
+    foreign.release.set()
+    pool = _pool_over([foreign, good], queue_size=4, timeout_s=15)  # the first group goes to the foreign server
+    try:
+        with pytest.raises(RolloutWorkerError, match="labelled 'other-trainer:3'") as excinfo:
+            for _ in range(4):  # groups from both servers; the foreign one's are never handed to the trainer
+                groups, _ = pool.take(1, consumer_version=0)
+                assert groups[0].group.worker_id == 1
+        assert foreign.url in str(excinfo.value)
+        assert foreign.received > 0
+    finally:
+        pool.close()
+        good.close()
+        foreign.close()
+
+
 # ---- a real vLLM server ------------------------------------------------------------------------------------------
 
 

@@ -172,3 +172,87 @@ def test_bf16_policy_copy_keeps_its_buffers_in_float32():
     buffers = dict(model.named_buffers())
     assert buffers and all(b.dtype == torch.float32 for b in buffers.values())  # RoPE inv_freq not rounded
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied weights stay tied
+
+
+def _sharpened_tiny_model(tok, scale=0.2):
+    """The tiny model with perturbed weights: its freshly initialised next-token distribution is nearly uniform, so
+    top-k/top-p/min-p would keep (almost) everything; this one is peaked enough that each of them removes tokens."""
+    model = build_tiny_model(tok, seed=0).eval()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    return model
+
+
+def _teacher_forced_processed_logps(model, prompt, completion, processors):
+    """log-probs of ``completion`` under log_softmax of the logits after ``processors`` (transformers' own), applied
+    step by step to a teacher-forced forward pass of the unpadded prompt + completion."""
+    ids = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+    logps = []
+    for t, token in enumerate(completion):
+        scores = logits[t : t + 1].clone()
+        for processor in processors:
+            scores = processor(ids[:, : len(prompt) + t], scores)  # the context that step saw (penalty's input)
+        logps.append(torch.log_softmax(scores.float(), -1)[0, token])
+    return torch.stack(logps)
+
+
+def test_behaviour_logprobs_apply_top_p_min_p_top_k_and_repetition_penalty():
+    """mu is the log-prob under the distribution actually sampled from with every sampling setting GRPOTrainer passes,
+    not only temperature: computed independently with transformers' processors in generate's order (repetition
+    penalty, then temperature, top-k, top-p, min-p)."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    temperature, top_k, top_p, min_p, penalty = 0.8, 12, 0.7, 0.15, 1.8
+    tok = build_char_tokenizer()
+    model = _sharpened_tiny_model(tok)
+    config = GenerationConfig(
+        max_new_tokens=10,
+        do_sample=True,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=penalty,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=[tok.eos_token_id],
+    )
+    processors = {
+        "repetition_penalty": RepetitionPenaltyLogitsProcessor(penalty),
+        "temperature": TemperatureLogitsWarper(temperature),
+        "top_k": TopKLogitsWarper(top_k),
+        "top_p": TopPLogitsWarper(top_p),
+        "min_p": MinPLogitsWarper(min_p),
+    }
+    torch.manual_seed(0)
+    tasks = [
+        RolloutTask(0, 0, tuple(tok("ab 1+2=")["input_ids"]), 0),
+        RolloutTask(1, 1, tuple(tok("zz")["input_ids"]), 0),  # ragged: left padding the penalty must ignore
+    ]
+    groups = generate_groups(model, tasks, config, 4, [tok.eos_token_id], tok.pad_token_id, lambda: 3)
+    without = {name: 0.0 for name in processors}  # how far mu is from the distribution without each setting
+    checked = 0
+    for group in groups:
+        for completion, logps in zip(group.completion_ids, group.logprobs, strict=True):
+            mu = torch.tensor(logps)
+            assert len(mu) == len(completion) and torch.isfinite(mu).all()  # sampled from inside the support
+            expected = _teacher_forced_processed_logps(model, group.prompt_ids, completion, processors.values())
+            torch.testing.assert_close(mu, expected, atol=1e-5, rtol=0)
+            for name in processors:
+                others = [p for n, p in processors.items() if n != name]
+                reduced = _teacher_forced_processed_logps(model, group.prompt_ids, completion, others)
+                without[name] = max(without[name], (mu - reduced).abs().max().item())
+            checked += len(completion)
+    assert checked >= 30
+    # each setting changes the sampled-from distribution here (top-k/top-p/min-p remove tokens), so a worker that
+    # ignored any one of them would fail the equality above
+    assert all(gap > 0.1 for gap in without.values()), without
