@@ -15,6 +15,7 @@ local checkpoint path instead of SmolLM2.
 
 from __future__ import annotations
 
+import json
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when torch loads OpenMP: see README "Threads"
@@ -79,6 +80,10 @@ def main(demo: DemoArguments, args: AsyncGRPOConfig) -> dict:
         **run_summary(trainer.state.log_history, seconds, samples_per_step(args, state.num_processes)),
     }
     print_summary(f"trl_async CPU demo ({os.path.basename(model)}, arithmetic word problems)", summary)
+    os.makedirs(args.output_dir, exist_ok=True)
+    path = os.path.join(args.output_dir, "summary.json")  # for scripts and CI (.ci/run checks that it learned)
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1)
     return summary
 
 

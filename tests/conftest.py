@@ -8,6 +8,60 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+# ---- shared helpers (tests import them from here) ----------------------------------------------------------------
+import multiprocessing  # noqa: E402
+
+from datasets import Dataset  # noqa: E402
+
+from trl_async import AsyncGRPOConfig  # noqa: E402
+
+COMMON = dict(
+    per_device_train_batch_size=8,
+    num_generations=4,
+    max_completion_length=6,
+    learning_rate=1e-2,
+    logging_steps=1,
+    report_to=[],
+    bf16=False,
+    use_cpu=True,
+    gradient_checkpointing=False,
+    save_strategy="no",
+    beta=0.0,
+)
+
+
+def text_dataset(n=12):
+    return Dataset.from_list([{"prompt": f"q{i % 10}{i // 10}:", "letter": "abcdefghijkl"[i]} for i in range(n)])
+
+
+def letter_reward(prompts, completions, letter, **kwargs):
+    """Depends on the prompt's row (``letter`` column) so a mis-aligned reward would be caught."""
+    return [sum(ch <= x for ch in c) / 6 for c, x in zip(completions, letter, strict=True)]
+
+
+def async_args(tmp_path, **overrides):
+    return AsyncGRPOConfig(output_dir=str(tmp_path), **{**COMMON, "max_steps": 4, **overrides})
+
+
+def trained_staleness(trainer):
+    return [h["async/staleness_max"] for h in trainer.state.log_history if "async/staleness_max" in h]
+
+
+def no_rollout_children():
+    return not [p for p in multiprocessing.active_children() if p.name.startswith("trl_async")]
+
+
+def pytest_collection_modifyitems(items):
+    """Every test is `unit` (marked in its module) or `integration`; 2-process launches are also `distributed`, and
+    tests that use the real vLLM server are also `vllm`. `pytest -m "not vllm"` skips the vLLM install and server."""
+    for item in items:
+        if item.get_closest_marker("unit") is None:
+            item.add_marker(pytest.mark.integration)
+        if item.module.__name__.endswith("test_distributed"):
+            item.add_marker(pytest.mark.distributed)
+        if "vllm_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.vllm)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:

@@ -10,7 +10,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl_async import AsyncGRPOTrainer
 from trl_async.tiny import build_char_tokenizer, build_tiny_model
 
-from .test_trainer import COMMON, async_args, letter_reward, no_rollout_children, text_dataset
+from .conftest import COMMON, async_args, letter_reward, no_rollout_children, text_dataset
 
 
 def test_empty_dataset_fails_at_construction(tmp_path, tiny_model_dir):

@@ -7,7 +7,7 @@ import torch
 
 from trl_async import AsyncGRPOTrainer
 
-from .test_trainer import async_args, letter_reward, text_dataset
+from .conftest import async_args, letter_reward, text_dataset
 
 IS_KEYS = ("ratio_mean", "ratio_min", "ratio_max", "ess", "truncated_frac", "masked_frac", "kl_behaviour")
 

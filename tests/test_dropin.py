@@ -16,7 +16,7 @@ from trl import GRPOConfig
 
 from trl_async import AsyncGRPOTrainer
 
-from .test_trainer import COMMON, async_args, no_rollout_children, text_dataset, trained_staleness
+from .conftest import COMMON, async_args, no_rollout_children, text_dataset, trained_staleness
 
 
 def length_reward(completions, **kwargs):

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl_async import AsyncGRPOTrainer
 from trl_async.evaluation import GreedyAccuracyCallback, greedy_completions
 
-from .test_trainer import async_args
+from .conftest import async_args
 
 
 def _first_char_reward(completions, target, **kwargs):

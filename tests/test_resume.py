@@ -4,7 +4,7 @@ from transformers import TrainerCallback
 
 from trl_async import AsyncGRPOTrainer
 
-from .test_trainer import async_args, letter_reward, no_rollout_children, text_dataset
+from .conftest import async_args, letter_reward, no_rollout_children, text_dataset
 
 
 class RecordingTrainer(AsyncGRPOTrainer):

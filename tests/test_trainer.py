@@ -4,7 +4,6 @@ import contextlib
 import gc
 import json
 import math
-import multiprocessing
 import os
 import signal
 import threading
@@ -12,49 +11,14 @@ import time
 
 import pytest
 import torch
-from datasets import Dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 
-from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
+from trl_async import AsyncGRPOTrainer
 from trl_async.progress import AsyncProgressCallback
 
+from .conftest import async_args, letter_reward, no_rollout_children, text_dataset, trained_staleness
+
 OMP_WAIT_POLICY_AT_IMPORT = os.environ.get("OMP_WAIT_POLICY")
-
-COMMON = dict(
-    per_device_train_batch_size=8,
-    num_generations=4,
-    max_completion_length=6,
-    learning_rate=1e-2,
-    logging_steps=1,
-    report_to=[],
-    bf16=False,
-    use_cpu=True,
-    gradient_checkpointing=False,
-    save_strategy="no",
-    beta=0.0,
-)
-
-
-def text_dataset(n=12):
-    return Dataset.from_list([{"prompt": f"q{i % 10}{i // 10}:", "letter": "abcdefghijkl"[i]} for i in range(n)])
-
-
-def letter_reward(prompts, completions, letter, **kwargs):
-    """Depends on the prompt's row (``letter`` column) so a mis-aligned reward would be caught."""
-    return [sum(ch <= x for ch in c) / 6 for c, x in zip(completions, letter, strict=True)]
-
-
-def async_args(tmp_path, **overrides):
-    return AsyncGRPOConfig(output_dir=str(tmp_path), **{**COMMON, "max_steps": 4, **overrides})
-
-
-def trained_staleness(trainer):
-    return [h["async/staleness_max"] for h in trainer.state.log_history if "async/staleness_max" in h]
-
-
-def no_rollout_children():
-    return not [p for p in multiprocessing.active_children() if p.name.startswith("trl_async")]
-
 
 def test_trains_updates_every_parameter_within_the_staleness_bound_and_joins_workers(tmp_path, tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
