@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import re
 from pathlib import Path
@@ -13,8 +14,17 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask: a container or taskset may allow fewer than the host)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def machine() -> dict:
-    return {"cpu_count": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__}
+    return {"cpu_count": usable_cores(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+            "torch": torch.__version__}  # fmt: skip
 
 
 def write_json(name: str, payload: dict) -> Path:

@@ -36,13 +36,14 @@ sys.path.insert(0, str(HERE.parent / "recipes"))
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
+from report import usable_cores  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
 from trl_async.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 
-CORES = os.cpu_count() or 1
+CORES = usable_cores()  # the affinity mask, not the host's count
 BATCH, GROUP = 32, 8  # 4 prompts x 8 completions per optimizer step
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import multiprocessing
 import os
 import sys
@@ -73,13 +74,10 @@ def push_s(server: VLLMServer, model, rounds: int) -> list[float]:
     return times
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--pushes", type=int, default=6)
-    args = parser.parse_args()
+def collect(pushes_per_size: int) -> list[dict]:
     from tests.vllm_server import start_server
 
-    rows, runs = [], []
+    runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for label, kwargs in SIZES.items():
             model_dir = save_tiny_model(Path(tmp) / label, **kwargs)
@@ -90,18 +88,35 @@ def main() -> None:
             mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
             server = start_server(str(model_dir), Path(tmp) / f"{label}.log")
             try:
-                pushes = push_s(VLLMServer(server.url), model, args.pushes)[1:]  # the first includes warm-up
+                pushes = push_s(VLLMServer(server.url), model, pushes_per_size)[1:]  # the first includes warm-up
             finally:
                 server.stop()
-            raw = raw_broadcast_s(model, args.pushes)[1:]
-            med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-            totals = [sum(p.values()) for p in pushes]
-            phase = {k: med([p[k] for p in pushes]) * 1e3 for k in pushes[0]}
+            raw = raw_broadcast_s(model, pushes_per_size)[1:]
             runs.append({"size": label, "params": params, "mb": mb, "push_phases_s": pushes, "raw_broadcast_s": raw})
-            rows.append(
-                [label, params, round(mb, 1), med(totals) * 1e3, phase["pause"], phase["send"], phase["reset_resume"],
-                 med(raw) * 1e3, med(raw) / med(totals)]
-            )  # fmt: skip
+    return runs
+
+
+def row(run: dict) -> list:
+    """One table row from a run's raw timings (medians in ms)."""
+    pushes, raw = run["push_phases_s"], run["raw_broadcast_s"]
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    totals = [sum(p.values()) for p in pushes]
+    phase = {k: med([p[k] for p in pushes]) * 1e3 for k in pushes[0]}
+    return [run["size"], run["params"], round(run["mb"], 1), med(totals) * 1e3, phase["pause"], phase["send"],
+            phase["reset_resume"], med(raw) * 1e3, med(raw) / med(totals)]  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pushes", type=int, default=6)
+    parser.add_argument("--from_json", help="redo the table and plot from a results JSON (no runs)")
+    args = parser.parse_args()
+    if args.from_json:
+        runs = json.loads(Path(args.from_json).read_text())["runs"]
+        args.pushes = len(runs[0]["push_phases_s"]) + 1
+    else:
+        runs = collect(args.pushes)
+    rows = [row(r) for r in runs]
     header = ["model", "params", "MB (fp32)", "push ms (median)", "pause", "start+send+load+finish", "reset+resume",
               "gloo broadcast ms", "ratio (broadcast / push)"]  # fmt: skip
     write_json("vllm_push", {"bucket_bytes": BUCKET, "runs": runs})
@@ -113,7 +128,7 @@ def main() -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     x = range(len(rows))
     ax.bar([i - 0.2 for i in x], [r[3] for r in rows], 0.4, label="full push to vLLM (pause → resume)")
-    ax.bar([i + 0.2 for i in x], [r[4] for r in rows], 0.4, label="gloo broadcast of the same buckets")
+    ax.bar([i + 0.2 for i in x], [r[7] for r in rows], 0.4, label="gloo broadcast of the same buckets")
     ax.set_xticks(list(x), [f"{r[0]} ({r[2]:.0f} MB)" for r in rows])
     ax.set_ylabel("ms (median)")
     ax.set_yscale("log")
