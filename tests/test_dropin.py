@@ -187,12 +187,16 @@ def test_every_loss_type_matches_grpo_trainer_on_policy_and_trains(tmp_path, tin
     "targets", [["q_proj", "v_proj"], ["q_proj", "embed_tokens"]], ids=["attention", "embedding"]
 )
 def test_peft_lora_workers_receive_merged_weights(tmp_path, tiny_model_dir, targets):
-    """peft keeps an embedding's adapter in lora_embedding_A/B, not lora_A/B: it must be merged too."""
+    """peft keeps an embedding's adapter in lora_embedding_A/B, not lora_A/B: it must be merged too (on a model with
+    untied embeddings; tied ones are refused, below)."""
     from peft import LoraConfig
 
+    from trl_async.tiny import save_tiny_model
+
+    model_dir = str(save_tiny_model(tmp_path / "untied", tie_word_embeddings=False))
     args = async_args(tmp_path, max_steps=3, rollout_verify_weights=True, learning_rate=5e-2)
     trainer = AsyncGRPOTrainer(
-        model=tiny_model_dir,
+        model=model_dir,
         reward_funcs=length_reward,
         args=args,
         train_dataset=text_dataset(),
@@ -205,6 +209,15 @@ def test_peft_lora_workers_receive_merged_weights(tmp_path, tiny_model_dir, targ
     merged = trainer.model.merge_and_unload()
     for name, tensor in merged.named_parameters():
         torch.testing.assert_close(pool.backend.weights.tensors[name], tensor, rtol=0, atol=1e-6)
+
+
+def test_lora_on_an_embedding_tied_to_the_output_layer_is_refused(tmp_path, tiny_model_dir):
+    from peft import LoraConfig
+
+    with pytest.raises(NotImplementedError, match=r"LoRA on `.*embed_tokens`, whose weight is tied to the output"):
+        AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=async_args(tmp_path),
+                         train_dataset=text_dataset(),
+                         peft_config=LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"]))  # fmt: skip
 
 
 def test_eval_dataset_is_evaluated_with_current_weights(tmp_path, tiny_model_dir):

@@ -111,7 +111,8 @@ def test_importance_weight_reaches_grpo_loss(tmp_path, tiny_model_dir):
 @pytest.mark.parametrize("bypass", [False, True], ids=["decoupled", "bypass"])
 def test_a_missing_behaviour_logprob_leaves_the_loss_finite(tmp_path, tiny_model_dir, bypass):
     """A NaN mu (a null log-prob from a vLLM server): decoupled gives that token ratio 1, as GRPOTrainer does; bypass
-    (pi_prox := mu) has no ratio for it and leaves it out of the loss. Both count it (is/behaviour_nan)."""
+    (pi_prox := mu) has no ratio for it and leaves it out of the loss, not out of attention. Both count it
+    (is/behaviour_nan)."""
     trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=letter_reward, train_dataset=text_dataset(),
                                args=async_args(tmp_path, off_policy_bypass=bypass))  # fmt: skip
     b, t = 2, 3
@@ -140,10 +141,12 @@ def test_a_missing_behaviour_logprob_leaves_the_loss_finite(tmp_path, tiny_model
 
     got = loss(missing, inputs["completion_mask"])
     assert math.isfinite(got)
-    if bypass:
-        dropped = inputs["completion_mask"].clone()
-        dropped[1, 1] = 0
-        expected = loss(behaviour, dropped)
+    if bypass:  # out of the loss only (GRPOTrainer's loss mask), still attended to by the tokens after it
+        kept = torch.ones(b, t, dtype=torch.long)
+        kept[1, 1] = 0
+        out = {**inputs, "sampling_per_token_logps": behaviour, "tool_mask": kept}
+        trainer._add_off_policy_inputs(out)
+        expected = trainer._compute_loss(trainer.model, out).item()
     else:
         at_one = behaviour.clone()
         at_one[1, 1] = current[1, 1]  # ratio exactly 1 for that token

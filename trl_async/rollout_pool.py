@@ -321,7 +321,9 @@ class RolloutPool:
             with self._cv:
                 # the trainer consumes at a version >= the last one published: a group already too stale for it is
                 # dropped now, before its (possibly expensive) reward calls
-                if self._published is not None and staleness(self._published, msg.token_versions) > (
+                # (a direct difference, not staleness(): a worker may already sample with version v a moment
+                # before publish() records v, and staleness() refuses a token newer than its consumer)
+                if self._published is not None and self._published - min(msg.token_versions) > (
                     self.settings.max_staleness
                 ):
                     self.dropped_unscored += 1

@@ -34,7 +34,12 @@ def build_char_tokenizer(chars: str = DEFAULT_CHARS) -> PreTrainedTokenizerFast:
 
 
 def build_tiny_model(
-    tokenizer: PreTrainedTokenizerFast, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, seed: int = 0
+    tokenizer: PreTrainedTokenizerFast,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    seed: int = 0,
+    tie_word_embeddings: bool = True,
 ) -> Qwen2ForCausalLM:
     import torch
 
@@ -47,7 +52,7 @@ def build_tiny_model(
         num_attention_heads=num_heads,
         num_key_value_heads=num_heads,
         max_position_embeddings=256,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_word_embeddings,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,

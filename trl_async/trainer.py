@@ -185,6 +185,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 "use rollout_device='cpu'."
             )
         self._check_vocabulary()
+        self._check_lora_on_tied_embeddings()
         a = self.async_args
         cpu_workers = a.rollout_backend == "transformers" and a.rollout_device == "cpu"
         if cpu_workers and self.accelerator.device.type == "cpu" and os.environ.get("OMP_WAIT_POLICY") != "PASSIVE":
@@ -197,17 +198,35 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if self.args.use_transformers_continuous_batching:
             logger.warning("use_transformers_continuous_batching is ignored: rollout workers use `generate`.")
 
+    def _check_lora_on_tied_embeddings(self) -> None:
+        """A LoRA adapter on an input embedding tied to the output layer: the trainer's forward adds it to the
+        embedding lookup only, while a worker given the merged embedding would use it for the output layer too (the
+        tie), sampling from another policy. Refused rather than silently corrected as staleness."""
+        model = self.accelerator.unwrap_model(self.model)
+        if not is_peft_model(model):
+            return
+        output = model.get_output_embeddings()
+        output_weight = getattr(output, "weight", None)
+        for name, module in model.named_modules():
+            adapters = getattr(module, "lora_embedding_A", None)
+            if adapters and output_weight is not None and module.get_base_layer().weight is output_weight:
+                raise NotImplementedError(
+                    f"LoRA on `{name}`, whose weight is tied to the output layer: the rollout workers would sample "
+                    "with the adapter in the output layer too, the trainer without. Leave the embedding out of "
+                    "target_modules (or train it fully with modules_to_save), or use a model with untied embeddings."
+                )
+
     def _check_vocabulary(self) -> None:
-        """Token ids past the model's embedding table crash generation only if they reach the model. Special tokens
-        the trainer feeds it (pad, eos, bos) are checked here; prompt tokens as each prompt is first tokenized (the
-        row is named). A tokenizer with unused extra ids (one that gained ``<|endoftext|>`` on reload) trains, as
+        """Token ids past the model's embedding table crash generation only if they reach the model. The pad id (the
+        trainer pads with it) is checked here; prompt tokens as each prompt is first tokenized (the row is named). A tokenizer with unused extra ids (one that gained ``<|endoftext|>`` on reload) trains, as
         under GRPOTrainer, with a warning."""
         tokenizer = self._tokenizer
         vocab = getattr(self.accelerator.unwrap_model(self.model).config, "vocab_size", None)
         if vocab is None or len(tokenizer) <= vocab:
             return
-        used = {f"{name}_token_id": getattr(tokenizer, f"{name}_token_id", None) for name in ("pad", "eos", "bos")}
-        used.update({f"eos_token_ids[{i}]": t for i, t in enumerate(self.eos_token_ids)})
+        # the pad id is fed to the model (padding); eos is only a stop token the model emits (an id it cannot emit is
+        # harmless) and bos reaches it inside prompts, which are checked per row
+        used = {"pad_token_id": tokenizer.pad_token_id}
         past = {name: t for name, t in used.items() if t is not None and t >= vocab}
         if past:
             named = ", ".join(f"{name}={t} ({tokenizer.convert_ids_to_tokens(t)!r})" for name, t in past.items())
@@ -219,7 +238,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         extra = tokenizer.convert_ids_to_tokens(list(range(vocab, len(tokenizer))))
         logger.warning(
             f"The tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab}: {extra} are past the "
-            "embedding table. Training goes on (pad, eos and bos are inside it); a prompt containing one of them "
+            "embedding table. Training goes on (the pad token is inside it); a prompt containing one of them "
             "fails with its row named."
         )
 
@@ -232,8 +251,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if not self._dist.is_zero3:
             return funcs
         for i, func in enumerate(funcs):
-            if isinstance(func, nn.Module):
-                module = getattr(func, "module", func)  # the DeepSpeed engine's model
+            module = getattr(func, "module", func)  # the DeepSpeed engine's model
+            # only what DeepSpeed partitioned (TRL shards PreTrainedModel rewards; other modules stay local)
+            if isinstance(module, nn.Module) and any(hasattr(p, "ds_id") for p in module.parameters()):
                 with self._dist.gather_params(list(module.parameters())):
                     state = (
                         {k: v.detach().clone() for k, v in module.state_dict().items()}
@@ -615,12 +635,15 @@ class AsyncGRPOTrainer(GRPOTrainer):
             return
         mask, behaviour = output["completion_mask"], output["sampling_per_token_logps"]
         if a.off_policy_bypass:
-            # pi_prox := mu; a token without mu (NaN) has no ratio at all, so it leaves the loss (the weights below
-            # still see it and count it in is/behaviour_nan)
+            # pi_prox := mu; a token without mu (NaN) has no ratio at all, so it leaves the loss through GRPOTrainer's
+            # loss-only mask (`tool_mask`; the completion mask is also the attention mask, which must keep it); the
+            # weights below still see it and count it in is/behaviour_nan
             missing = torch.isnan(behaviour)
             prox = behaviour.masked_fill(missing, 0.0)
             if missing.any():
-                output["completion_mask"] = mask * ~missing
+                keep = (~missing).to(mask.dtype)
+                tool_mask = output.get("tool_mask")
+                output["tool_mask"] = keep if tool_mask is None else tool_mask * keep
                 output["sampling_per_token_logps"] = prox
         elif output.get("old_per_token_logps") is not None:  # GRPOTrainer already computed it (same weights)
             prox = output["old_per_token_logps"]
