@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from trl import GRPOConfig
 
 from trl_async import AsyncGRPOTrainer
+from trl_async.records import RolloutGroup
 
 from .conftest import COMMON, async_args, no_rollout_children, text_dataset, trained_staleness
 
@@ -123,8 +125,8 @@ def test_async_reward_runs_on_grpo_trainers_loop_across_groups_and_steps(tmp_pat
 
 
 def test_the_scorer_has_its_own_reward_tokenizers(tmp_path, tiny_model_dir):
-    """The scorer tokenizes on a background thread while evaluate() uses the trainer's tokenizers on the main one: a
-    fast tokenizer shared across threads fails ("Already borrowed")."""
+    """Scoring threads tokenize while evaluate() uses the trainer's tokenizers on the main thread: a fast tokenizer
+    shared across threads fails ("Already borrowed"). Each scoring thread has its own."""
     reward_model_dir = str(tmp_path / "rm")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -134,10 +136,20 @@ def test_the_scorer_has_its_own_reward_tokenizers(tmp_path, tiny_model_dir):
     tokenizer.save_pretrained(reward_model_dir)
     trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=[reward_model_dir, length_reward],
                                args=async_args(tmp_path), train_dataset=text_dataset())  # fmt: skip
-    trainer._make_score_group()
-    theirs, mine = trainer.reward_processing_classes, trainer._scorer.reward_processing_classes
-    assert mine[0] is not theirs[0] and mine[0].get_vocab() == theirs[0].get_vocab()
-    assert mine[0]._tokenizer is not theirs[0]._tokenizer  # the Rust tokenizer, whose borrow is the problem
+    score_group = trainer._make_score_group()
+    group = RolloutGroup(group_id=0, prompt_index=0, prompt_ids=(5, 6), completion_ids=((7, 8),) * 4,
+                         logprobs=((-1.0, -1.0),) * 4, versions=((0, 0),) * 4, worker_id=0, generate_s=0.0)  # fmt: skip
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(score_group(group))) for _ in range(2)]
+    for t in threads:  # two scoring threads (rollout_scoring_threads=2)
+        t.start()
+        t.join()
+    assert len(results) == 2 and torch.equal(results[0].rewards, results[1].rewards)
+    theirs = trainer.reward_processing_classes[0]
+    first, second = (scorer.reward_processing_classes[0] for scorer in trainer._scorers)
+    assert first.get_vocab() == theirs.get_vocab()
+    # the Rust tokenizers, whose borrow is the problem: one per thread, none shared with the trainer
+    assert len({id(theirs._tokenizer), id(first._tokenizer), id(second._tokenizer)}) == 3
 
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]

@@ -20,8 +20,9 @@ G = 2  # completions per group
 
 
 def make_pool(
-    max_staleness, groups_per_batch=2, queue_size=None, workers=1, score=None, rows=8, max_restarts=0, heartbeat_s=10.0
-):
+    max_staleness, groups_per_batch=2, queue_size=None, workers=1, score=None, rows=8, max_restarts=0, heartbeat_s=10.0,
+    scoring_threads=1,
+):  # fmt: skip
     tok = build_char_tokenizer()
     model = build_tiny_model(tok)
     gen = GenerationConfig(max_new_tokens=3, do_sample=True, pad_token_id=tok.pad_token_id, eos_token_id=[])
@@ -54,6 +55,7 @@ def make_pool(
         verify_weights=True,
         max_restarts=max_restarts,
         heartbeat_timeout_s=heartbeat_s,
+        scoring_threads=scoring_threads,
     )
     prompts = PromptStream(rows, groups_per_batch, shuffle=False, seed=0)
     score = score or (lambda g: ScoredGroup(g, rewards=torch.zeros(G, 1)))
@@ -138,6 +140,47 @@ def test_a_group_already_too_stale_when_it_arrives_is_dropped_without_scoring():
         assert sorted(scored_versions) == [0, 1, 1]  # the second version-0 group was never scored
         assert pool.dropped_unscored == 1
     finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_scoring_threads_score_groups_concurrently(threads):
+    """A reward that waits (a verifier, a judge) overlaps with other groups' on several scoring threads: two groups
+    meet at a barrier, which only concurrent scoring can pass; one thread scores one group at a time."""
+    meet = threading.Barrier(2, timeout=5)
+
+    def score(group):
+        meet.wait()
+        return ScoredGroup(group, rewards=torch.zeros(G, 1))
+
+    pool, _ = make_pool(max_staleness=0, score=score, scoring_threads=threads)
+    try:
+        if threads == 2:
+            groups, _ = pool.take(2, consumer_version=0)
+            assert len(groups) == 2
+        else:
+            with pytest.raises(threading.BrokenBarrierError):
+                pool.take(2, consumer_version=0)
+    finally:
+        pool.close()
+
+
+def test_a_stuck_reward_does_not_stop_the_worker_health_checks():
+    """Scoring runs off the collector thread: a worker killed while a reward function hangs is still noticed and
+    restarted, not reported later as a rollout timeout."""
+    release = threading.Event()
+
+    def score(group):
+        release.wait(60)
+        return ScoredGroup(group, rewards=torch.zeros(G, 1))
+
+    pool, _ = make_pool(max_staleness=0, score=score, max_restarts=1)
+    try:
+        wait_until(lambda: pool.outstanding(0) == [] and pool.admitted == 2)  # both groups came back: scoring hangs
+        os.kill(pool.processes[0].pid, signal.SIGKILL)
+        wait_until(lambda: pool.worker_restarts == 1, timeout=20)
+    finally:
+        release.set()
         pool.close()
 
 

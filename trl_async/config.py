@@ -163,6 +163,15 @@ class AsyncFields:
             "(e.g. stopped): it is killed, then restarted or reported."
         },
     )
+    rollout_scoring_threads: int = field(
+        default=1,
+        metadata={
+            "help": "Finished groups scored at once, each on its own thread of the main process. 1: one group at a "
+            "time, in arrival order. Raise it when reward functions wait (a verifier, a sandbox, an HTTP judge): "
+            "their latency then overlaps. Reward functions must then be safe to call from several threads at once "
+            "(each thread gets its own tokenizer copies; async reward functions share one event loop)."
+        },
+    )
     rollout_trajectory_file: str | None = field(
         default=None,
         metadata={
@@ -340,6 +349,11 @@ class AsyncFields:
             )
         need(self.weight_sync_bucket_mb > 0, "weight_sync_bucket_mb", "set a positive size in MB")
         need(self.rollout_timeout_s > 0, "rollout_timeout_s", "set a positive number of seconds")
+        need(
+            isinstance(self.rollout_scoring_threads, int) and self.rollout_scoring_threads >= 1,
+            "rollout_scoring_threads",
+            "set it to 1 or more (1: one group at a time)",
+        )
         need(self.rollout_max_restarts >= 0, "rollout_max_restarts", "set 0 or more (0: fail at the first loss)")
         need(
             self.rollout_heartbeat_timeout_s >= 2.0,

@@ -3,8 +3,9 @@
 Threads in the trainer process (none of them runs a collective or touches the training model):
   * the *dispatcher* hands ``RolloutTask``s to the workers while admission control allows (staleness bound and
     ``queue_size``), taking prompts from the ``PromptStream``;
-  * the *collector* receives worker messages and scores each finished group with the reward functions, so rewards are
-    ready before the trainer asks for them.
+  * the *collector* receives worker messages and watches the workers (exits, heartbeats);
+  * the *scoring threads* (``scoring_threads``, 1 by default) score each finished group with the reward functions, so
+    rewards are ready before the trainer asks for them, and a slow reward never delays the collector.
 The trainer's main thread calls ``publish`` (new weights) and ``take`` (the next scored groups; stale ones are dropped,
 counted and their prompts re-queued). Every wait is bounded and checks worker health, so a dead worker or a failing
 reward function surfaces as an exception on the main thread, never as a hang.
@@ -12,6 +13,7 @@ reward function surfaces as an exception on the main thread, never as a hang.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections import deque
@@ -60,6 +62,7 @@ class PoolSettings:
     groups_per_call: int = 1  # most groups handed to a worker at once (one generate call)
     max_restarts: int = 3  # per worker: a lost worker is restarted this many times, then the pool fails
     heartbeat_timeout_s: float = 10.0  # a worker silent this long is hung: killed, then restarted or reported
+    scoring_threads: int = 1  # groups scored at once (each on its own thread), off the collector thread
 
 
 @dataclass
@@ -106,15 +109,20 @@ class RolloutPool:
         self._tokens_since_take = 0
         self._last_take_end = time.perf_counter()
         # (kind, worker id or -1 for the trainer, start, end) in time.time(): "generate" calls, "score" (one group's
-        # rewards, on the collector thread) and the trainer's "wait"s in take(); bounded, for timelines and
+        # rewards, on a scoring thread) and the trainer's "wait"s in take(); bounded, for timelines and
         # utilisation (benchmarks/throughput.py)
         self.activity: deque[tuple[str, int, float, float]] = deque(maxlen=100_000)
         self._last_call: dict[int, float] = {}
+
+        self._to_score: queue.SimpleQueue[RolloutGroup] = queue.SimpleQueue()
 
         self._workers = [backend.start_lane(i) for i in range(len(backend.specs))]
         self._threads = [
             threading.Thread(target=self._guard(self._dispatch_loop), name="trl_async-dispatch", daemon=True),
             threading.Thread(target=self._guard(self._collect_loop), name="trl_async-collect", daemon=True),
+        ] + [
+            threading.Thread(target=self._guard(self._score_loop), name=f"trl_async-score-{i}", daemon=True)
+            for i in range(settings.scoring_threads)
         ]
         for t in self._threads:
             t.start()
@@ -294,12 +302,40 @@ class RolloutPool:
                     pass
 
     def _collect_loop(self) -> None:
-        """Receive worker messages, score finished groups, and watch the workers (exit, heartbeat)."""
+        """Receive worker messages, hand finished groups to the scoring threads, and watch the workers (exit,
+        heartbeat)."""
         while not self._stop:
             by_conn = {w.results: w for w in self._workers}
             for conn in wait_for_messages(list(by_conn), timeout=0.1):
                 self._drain(by_conn[conn])
             self._check_health()
+
+    def _score_loop(self) -> None:
+        """Score finished groups with the reward functions, one at a time per scoring thread (admission bounds how
+        many can wait here)."""
+        while not self._stop:
+            try:
+                group = self._to_score.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            with self._cv:
+                # the trainer consumes at a version >= the last one published: a group already too stale for it is
+                # dropped now, before its (possibly expensive) reward calls (a direct difference, not staleness(): a
+                # worker may sample with version v a moment before publish() records v, and staleness() refuses a
+                # token newer than its consumer)
+                if self._published is not None and self._published - min(group.token_versions) > (
+                    self.settings.max_staleness
+                ):
+                    self.dropped_unscored += 1
+                    self._drop_stale(group)
+                    continue
+            started = time.time()
+            scored = self._score_group(group)
+            self.activity.append(("score", group.worker_id, started, time.time()))
+            with self._cv:
+                self._ready.append(scored)
+                self._tokens_since_take += group.num_tokens
+                self._cv.notify_all()
 
     def _drain(self, worker) -> None:
         """Handle every message waiting in a worker's pipe (an exited worker's last words included)."""
@@ -318,24 +354,7 @@ class RolloutPool:
                 self._last_call[msg.worker_id] = msg.generate_started_at
                 end = msg.generate_started_at + msg.generate_s
                 self.activity.append(("generate", msg.worker_id, msg.generate_started_at, end))
-            with self._cv:
-                # the trainer consumes at a version >= the last one published: a group already too stale for it is
-                # dropped now, before its (possibly expensive) reward calls
-                # (a direct difference, not staleness(): a worker may already sample with version v a moment
-                # before publish() records v, and staleness() refuses a token newer than its consumer)
-                if self._published is not None and self._published - min(msg.token_versions) > (
-                    self.settings.max_staleness
-                ):
-                    self.dropped_unscored += 1
-                    self._drop_stale(msg)
-                    return
-            scoring_started = time.time()
-            scored = self._score_group(msg)
-            self.activity.append(("score", msg.worker_id, scoring_started, time.time()))
-            with self._cv:
-                self._ready.append(scored)
-                self._tokens_since_take += msg.num_tokens
-                self._cv.notify_all()
+            self._to_score.put(msg)  # scored off this thread: a slow reward never delays health checks
         elif isinstance(msg, WeightsAdopted):
             self._on_adopted(msg)
         elif isinstance(msg, WorkerFailed):

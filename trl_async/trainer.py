@@ -15,6 +15,7 @@ import copy
 import datetime
 import math
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -159,7 +160,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self._groups_per_batch / workers
         )
         self._pool: RolloutPool | None = None  # main process only
-        self._scorer: RewardScorer | None = None  # the pool's, main process only
+        self._scorers: list[RewardScorer] = []  # one per scoring thread of the pool, main process only
         self._pool_started = False
         self.last_rollout_pool: RolloutPool | None = None
         self._consuming: list[tuple[ScoredGroup, int]] | None = None  # (group, completion index) per local row
@@ -288,9 +289,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
             pool, self._pool = self._pool, None
             self.last_rollout_pool = pool
             pool.close()
-        if self._scorer is not None:  # after the pool: its scoring thread has stopped
-            self._scorer.close()
-            self._scorer = None
+        for scorer in self._scorers:  # after the pool: its scoring threads have stopped
+            scorer.close()
+        self._scorers = []
 
     @property
     def rollout_pool(self) -> RolloutPool | None:
@@ -312,6 +313,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             groups_per_call=self._rollout_batch_groups,
             max_restarts=a.rollout_max_restarts,
             heartbeat_timeout_s=a.rollout_heartbeat_timeout_s,
+            scoring_threads=a.rollout_scoring_threads,
         )
         prompts = PromptStream(
             len(self.train_dataset),
@@ -498,22 +500,30 @@ class AsyncGRPOTrainer(GRPOTrainer):
         return tokenize_row
 
     def _make_score_group(self):
-        tokenizer = copy.deepcopy(self.processing_class)
-        scorer = RewardScorer(
-            self._scoring_reward_funcs,
-            # own copies: a fast tokenizer used from two threads at once fails ("Already borrowed"), and the main
-            # thread keeps using the trainer's (evaluate() scores with them)
-            copy.deepcopy(self.reward_processing_classes),
-            self.reward_func_names,
-            self.chat_template_kwargs,
-            self.accelerator.device,
-            trainer_state=lambda: self.state,
-            event_loop=getattr(self, "async_loop", None),  # GRPOTrainer's loop, if any reward is async
-        )
-        self._scorer = scorer
+        """``score_group`` for the pool's scoring threads: each thread gets its own scorer and tokenizer copies (a
+        fast tokenizer used from two threads at once fails: "Already borrowed"; the main thread keeps the trainer's,
+        which evaluate() uses). Reward models and functions themselves are shared."""
+        local = threading.local()
+        self._scorers = scorers = []
         dataset, group_size = self.train_dataset, self.num_generations
 
+        def own() -> tuple:
+            if not hasattr(local, "scorer"):
+                local.tokenizer = copy.deepcopy(self.processing_class)
+                local.scorer = RewardScorer(
+                    self._scoring_reward_funcs,
+                    copy.deepcopy(self.reward_processing_classes),
+                    self.reward_func_names,
+                    self.chat_template_kwargs,
+                    self.accelerator.device,
+                    trainer_state=lambda: self.state,
+                    event_loop=getattr(self, "async_loop", None),  # GRPOTrainer's loop, if any reward is async
+                )
+                scorers.append(local.scorer)
+            return local.tokenizer, local.scorer
+
         def score_group(group: RolloutGroup) -> ScoredGroup:
+            tokenizer, scorer = own()
             row = dataset[group.prompt_index]
             conversational = is_conversational({"prompt": row["prompt"]})
             prompt_ids = [group.prompt_ids] * group_size
