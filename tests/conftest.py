@@ -86,3 +86,28 @@ def vllm_server(vllm_model_dir, tmp_path_factory):
     server = start_server(vllm_model_dir, tmp_path_factory.mktemp("vllm-log") / "server.log")
     yield server
     server.stop()
+
+
+def loss_batch(completion_mask=None) -> dict:
+    """A 2-row batch in GRPOTrainer's loss-input format (2 prompt tokens, 3 completion tokens per row), for calling
+    ``trainer._compute_loss`` directly."""
+    mask = torch.ones(2, 3, dtype=torch.long) if completion_mask is None else torch.tensor(completion_mask)
+    return {
+        "prompt_ids": torch.tensor([[5, 6], [7, 8]]),
+        "prompt_mask": torch.ones(2, 2, dtype=torch.long),
+        "completion_ids": torch.tensor([[9, 10, 11], [12, 13, 14]]),
+        "completion_mask": mask,
+        "advantages": torch.tensor([1.0, -0.5]),
+        "num_items_in_batch": mask.sum(),
+    }
+
+
+def current_logps(trainer, batch: dict) -> torch.Tensor:
+    """The trainer's per-token log-probs of the batch's completions now (no grad); puts the model in train mode and
+    sets what Trainer's loop would (``current_gradient_accumulation_steps``) so the loss can be called directly."""
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    with torch.no_grad():
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+        mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+        return trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, ids.size(1) - 2)[0]

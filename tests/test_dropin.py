@@ -18,7 +18,15 @@ from trl import GRPOConfig
 from trl_async import AsyncGRPOTrainer
 from trl_async.records import RolloutGroup
 
-from .conftest import COMMON, async_args, no_rollout_children, text_dataset, trained_staleness
+from .conftest import (
+    COMMON,
+    async_args,
+    current_logps,
+    loss_batch,
+    no_rollout_children,
+    text_dataset,
+    trained_staleness,
+)
 
 
 def length_reward(completions, **kwargs):
@@ -165,21 +173,10 @@ def test_every_loss_type_matches_grpo_trainer_on_policy_and_trains(tmp_path, tin
     ours = AsyncGRPOTrainer(**common, args=async_args(tmp_path, max_steps=2, loss_type=loss_type))
     theirs = GRPOTrainer(**common, args=GRPOConfig(output_dir=str(tmp_path / "sync"), **{**COMMON,
                                                                                         "loss_type": loss_type}))
-    b, t = 2, 3
-    inputs = {
-        "prompt_ids": torch.tensor([[5, 6], [7, 8]]), "prompt_mask": torch.ones(b, 2, dtype=torch.long),
-        "completion_ids": torch.tensor([[9, 10, 11], [12, 13, 0]]),
-        "completion_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
-        "advantages": torch.tensor([1.0, -0.5]), "num_items_in_batch": torch.tensor(5),
-    }  # fmt: skip
+    inputs = loss_batch(completion_mask=[[1, 1, 1], [1, 1, 0]])
     losses = []
     for trainer in (ours, theirs):
-        trainer.model.train()
-        trainer.current_gradient_accumulation_steps = 1
-        with torch.no_grad():
-            ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-            mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-            mu = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, t)[0]
+        mu = current_logps(trainer, inputs)
         batch = {**inputs, "sampling_per_token_logps": mu} if trainer is ours else dict(inputs)
         losses.append(trainer._compute_loss(trainer.model, batch).item())
     assert losses[0] == pytest.approx(losses[1], rel=1e-5) and losses[0] != 0.0

@@ -16,7 +16,15 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from trl_async import AsyncGRPOTrainer
 from trl_async.progress import AsyncProgressCallback
 
-from .conftest import async_args, letter_reward, no_rollout_children, text_dataset, trained_staleness
+from .conftest import (
+    async_args,
+    current_logps,
+    letter_reward,
+    loss_batch,
+    no_rollout_children,
+    text_dataset,
+    trained_staleness,
+)
 
 OMP_WAIT_POLICY_AT_IMPORT = os.environ.get("OMP_WAIT_POLICY")
 
@@ -88,16 +96,8 @@ def test_importance_weight_reaches_grpo_loss(tmp_path, tiny_model_dir):
         model=tiny_model_dir, reward_funcs=letter_reward, args=async_args(tmp_path), train_dataset=text_dataset()
     )
     b, t = 2, 3
-    inputs = {
-        "prompt_ids": torch.tensor([[5, 6], [7, 8]]),
-        "prompt_mask": torch.ones(b, 2, dtype=torch.long),
-        "completion_ids": torch.tensor([[9, 10, 11], [12, 13, 14]]),
-        "completion_mask": torch.ones(b, t, dtype=torch.long),
-        "advantages": torch.tensor([1.0, -0.5]),
-        "num_items_in_batch": torch.tensor(b * t),
-    }
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop; we call the loss directly
+    inputs = loss_batch()
+    current_logps(trainer, inputs)  # train mode, as Trainer's loop sets it
     base = trainer._compute_loss(trainer.model, dict(inputs)).item()
     ones = trainer._compute_loss(trainer.model, {**inputs, "importance_sampling_ratio": torch.ones(b, t)}).item()
     zeros = trainer._compute_loss(trainer.model, {**inputs, "importance_sampling_ratio": torch.zeros(b, t)}).item()
@@ -116,20 +116,8 @@ def test_a_missing_behaviour_logprob_leaves_the_loss_finite(tmp_path, tiny_model
     trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=letter_reward, train_dataset=text_dataset(),
                                args=async_args(tmp_path, off_policy_bypass=bypass))  # fmt: skip
     b, t = 2, 3
-    inputs = {
-        "prompt_ids": torch.tensor([[5, 6], [7, 8]]),
-        "prompt_mask": torch.ones(b, 2, dtype=torch.long),
-        "completion_ids": torch.tensor([[9, 10, 11], [12, 13, 14]]),
-        "completion_mask": torch.ones(b, t, dtype=torch.long),
-        "advantages": torch.tensor([1.0, -0.5]),
-        "num_items_in_batch": torch.tensor(b * t),
-    }
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1
-    with torch.no_grad():
-        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-        current = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, t)[0]
+    inputs = loss_batch()
+    current = current_logps(trainer, inputs)
     behaviour = current - 0.3  # stale: every ratio exp(0.3), inside decoupled's cap
     missing = behaviour.clone()
     missing[1, 1] = float("nan")
