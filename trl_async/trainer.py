@@ -219,21 +219,19 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     def _check_vocabulary(self) -> None:
         """Token ids past the model's embedding table crash generation only if they reach the model. The pad id (the
-        trainer pads with it) is checked here; prompt tokens as each prompt is first tokenized (the row is named). A tokenizer with unused extra ids (one that gained ``<|endoftext|>`` on reload) trains, as
-        under GRPOTrainer, with a warning."""
+        trainer pads with it) is checked here; prompt tokens as each prompt is first tokenized (the row is named); eos
+        is only a stop token the model emits, and bos reaches the model inside prompts. A tokenizer with unused extra
+        ids (one that gained ``<|endoftext|>`` on reload) trains, as under GRPOTrainer, with a warning."""
         tokenizer = self._tokenizer
         vocab = getattr(self.accelerator.unwrap_model(self.model).config, "vocab_size", None)
         if vocab is None or len(tokenizer) <= vocab:
             return
-        # the pad id is fed to the model (padding); eos is only a stop token the model emits (an id it cannot emit is
-        # harmless) and bos reaches it inside prompts, which are checked per row
-        used = {"pad_token_id": tokenizer.pad_token_id}
-        past = {name: t for name, t in used.items() if t is not None and t >= vocab}
-        if past:
-            named = ", ".join(f"{name}={t} ({tokenizer.convert_ids_to_tokens(t)!r})" for name, t in past.items())
+        pad = tokenizer.pad_token_id
+        if pad is not None and pad >= vocab:
             raise ValueError(
                 f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab}, and the trainer "
-                f"feeds the model ids past its embedding table: {named}. Pass the model's own tokenizer, or call "
+                f"pads with an id past the embedding table: pad_token_id={pad} "
+                f"({tokenizer.convert_ids_to_tokens(pad)!r}). Pass the model's own tokenizer, or call "
                 "model.resize_token_embeddings(len(tokenizer)) before building the trainer."
             )
         extra = tokenizer.convert_ids_to_tokens(list(range(vocab, len(tokenizer))))
