@@ -105,3 +105,43 @@ def test_scorer_uses_a_given_loop_and_does_not_close_it():
     scorer.close()
     assert seen == [loop] and loop.is_running()  # the trainer's loop: used, and left running for the trainer
     shutdown_event_loop_in_daemon(thread, loop)
+
+
+@pytest.mark.unit
+def test_async_rewards_of_a_group_run_concurrently_as_grpo_trainer_gathers_them():
+    """Two async judges that each wait for the other to start: only concurrent awaiting finishes (one after the other,
+    the first waits 2 s for the second and fails)."""
+    started = {"a": None, "b": None}
+
+    async def judge(me, other, completions):
+        started[me] = started[me] or asyncio.Event()
+        started[other] = started[other] or asyncio.Event()
+        started[me].set()
+        await asyncio.wait_for(started[other].wait(), timeout=2)
+        return [1.0] * len(completions)
+
+    async def judge_a(completions, **kwargs):
+        return await judge("a", "b", completions)
+
+    async def judge_b(completions, **kwargs):
+        return await judge("b", "a", completions)
+
+    scorer = make_scorer(judge_a, judge_b)
+    try:
+        rewards, _, _ = scorer.score([{"prompt": "p"}] * 2, ["x", "y"], [[1], [2]])
+    finally:
+        scorer.close()
+    assert rewards.tolist() == [[1.0, 1.0], [1.0, 1.0]]
+
+
+@pytest.mark.unit
+def test_a_raising_async_reward_is_named():
+    async def flaky(completions, **kwargs):
+        raise ConnectionError("judge unreachable")
+
+    scorer = make_scorer(flaky)
+    try:
+        with pytest.raises(RewardFunctionError, match=r"'flaky' raised ConnectionError: judge unreachable"):
+            scorer.score([{"prompt": "p"}], ["x"], [[1]])
+    finally:
+        scorer.close()

@@ -9,6 +9,7 @@ turns them into advantages.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import threading
 from collections import defaultdict
@@ -108,24 +109,27 @@ class RewardScorer:
         completion_ids = [list(c) for c in completion_ids]
 
         rewards = torch.zeros(len(rows), len(self.reward_funcs))
+        pending = {}  # index -> awaitable: async reward functions, awaited together (as GRPOTrainer gathers them)
         for i, (func, proc, name) in enumerate(
             zip(self.reward_funcs, self.reward_processing_classes, self.reward_func_names, strict=True)
         ):
-            try:
+            with _naming(name, prompts, completions):
                 if isinstance(func, nn.Module):
                     rewards[:, i] = self._score_model(func, proc, prompts, completions)
                     continue
                 out = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
                 if inspect.isawaitable(out):
-                    out = self._run(out)
+                    pending[i] = out
+                    continue
                 rewards[:, i] = torch.tensor(_as_rewards(out, name, len(rows), prompts, completions))
-            except RewardFunctionError:
-                raise
-            except Exception as exc:
-                raise RewardFunctionError(
-                    f"The reward function '{name}' raised {type(exc).__name__}: {exc}\n"
-                    f"  while scoring prompt {prompts[0]!r}\n  first completion {completions[0]!r}"
-                ) from exc
+        if pending:
+            results = self._run(_gather(pending.values()))
+            for i, out in zip(pending, results, strict=True):
+                name = self.reward_func_names[i]
+                with _naming(name, prompts, completions):
+                    if isinstance(out, BaseException):
+                        raise out
+                    rewards[:, i] = torch.tensor(_as_rewards(out, name, len(rows), prompts, completions))
         return rewards, dict(extra_logs), dict(metrics)
 
     def _score_model(self, model: nn.Module, tokenizer, prompts: list, completions: list) -> torch.Tensor:
@@ -144,3 +148,22 @@ class RewardScorer:
 
 async def _await(awaitable):
     return await awaitable
+
+
+async def _gather(awaitables) -> list:
+    """Every awaitable's result, or the exception it raised, run concurrently on the running loop."""
+    return await asyncio.gather(*awaitables, return_exceptions=True)
+
+
+@contextlib.contextmanager
+def _naming(name: str, prompts: list, completions: list):
+    """Re-raise what a reward function raised as ``RewardFunctionError`` naming it and showing the input."""
+    try:
+        yield
+    except RewardFunctionError:
+        raise
+    except Exception as exc:
+        raise RewardFunctionError(
+            f"The reward function '{name}' raised {type(exc).__name__}: {exc}\n"
+            f"  while scoring prompt {prompts[0]!r}\n  first completion {completions[0]!r}"
+        ) from exc
