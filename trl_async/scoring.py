@@ -167,3 +167,32 @@ def _naming(name: str, prompts: list, completions: list):
             f"The reward function '{name}' raised {type(exc).__name__}: {exc}\n"
             f"  while scoring prompt {prompts[0]!r}\n  first completion {completions[0]!r}"
         ) from exc
+
+
+def unsharded_reward_models(reward_funcs: Sequence[Any], dist, is_main_process: bool, device) -> list:
+    """The reward functions the background scorer calls (on the main process). Under ZeRO-3 GRPOTrainer shards reward
+    models with DeepSpeed, so each forward is a collective every rank must join, but the scorer runs on the main
+    process's background thread, alone. So every rank calls this once (``dist``: TRL's ``DistributedBackend``),
+    gathering each partitioned reward model, and the main process gets a plain copy in its place (the cost: one full
+    reward model in its memory). Modules DeepSpeed did not partition, and functions, are returned as they are."""
+    funcs = list(reward_funcs)
+    if not dist.is_zero3:
+        return funcs
+    for i, func in enumerate(funcs):
+        module = getattr(func, "module", func)  # the DeepSpeed engine's model
+        if not (isinstance(module, nn.Module) and any(hasattr(p, "ds_id") for p in module.parameters())):
+            continue
+        with dist.gather_params(list(module.parameters())):
+            state = {k: v.detach().clone() for k, v in module.state_dict().items()} if is_main_process else None
+        if state is None:
+            continue
+        from transformers.modeling_utils import set_zero3_state
+
+        # transformers wraps a model built under ZeRO-3 in zero.Init (a collective, here on the main process alone:
+        # a hang); marking zero.Init as already entered makes it build plain tensors
+        with set_zero3_state():
+            plain = type(module)(module.config)
+        plain.load_state_dict(state)
+        dtype = next(module.parameters()).dtype
+        funcs[i] = plain.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return funcs

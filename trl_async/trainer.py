@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import broadcast_object_list, gather, is_peft_model
 from datasets import IterableDataset
-from torch import nn
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 from transformers.utils import logging
@@ -36,33 +35,14 @@ from .progress import AsyncProgressCallback
 from .prompts import PromptStream
 from .records import RolloutGroup
 from .rollout_pool import PoolSettings, RolloutPool, ScoredGroup
-from .scoring import RewardScorer, decode_completions
+from .scoring import RewardScorer, decode_completions, unsharded_reward_models
+from .setup_checks import check_lora_on_tied_embeddings, check_vocabulary, unsupported_setup
 from .trajectories import append_jsonl, trajectory_records
 from .weight_sync import iter_policy_buckets, policy_specs
 from .worker import WorkerSpec
 from .worker_process import ProcessBackend
 
 logger = logging.get_logger(__name__)
-
-
-def unsupported_setup(model, args, quantization_config) -> str | None:
-    """What in GRPOTrainer's arguments the weight sync cannot serve (``None``: nothing), checked before any model is
-    loaded: FSDP (from the config or from ``accelerate launch``) and quantized base models."""
-    if (args is not None and getattr(args, "fsdp", None)) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in (
-        "true",
-        "1",
-    ):
-        return "FSDP (fsdp in the training arguments or an accelerate FSDP config)"
-    init_kwargs = (getattr(args, "model_init_kwargs", None) or {}) if args is not None else {}
-    if quantization_config is not None or init_kwargs.get("quantization_config") is not None:
-        return "quantized models (quantization_config)"
-    if not isinstance(model, str):
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        if getattr(base, "hf_quantizer", None) is not None or any(
-            getattr(base, flag, False) for flag in ("is_loaded_in_4bit", "is_loaded_in_8bit")
-        ):
-            return "quantized models (the model was loaded quantized)"
-    return None
 
 
 class _PublishWeights(TrainerCallback):
@@ -142,7 +122,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
         )
         self.async_args = async_fields_of(self.args)
         self._check_async_supported()
-        self._scoring_reward_funcs = self._reward_funcs_for_scoring()  # collective under ZeRO-3: every rank
+        # under ZeRO-3 a collective: every rank gathers each sharded reward model, the main process keeps a copy
+        self._scoring_reward_funcs = unsharded_reward_models(
+            self.reward_funcs, self._dist, self.accelerator.is_main_process, self.accelerator.device
+        )
         gen_batch = self.args.generation_batch_size
         self._groups_per_batch = gen_batch // self.num_generations
         per_batch = self.args.steps_per_generation * self.num_iterations
@@ -185,8 +168,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 f"AsyncGRPOConfig.rollout_device={self.async_args.rollout_device!r} but CUDA is not available; "
                 "use rollout_device='cpu'."
             )
-        self._check_vocabulary()
-        self._check_lora_on_tied_embeddings()
+        model = self.accelerator.unwrap_model(self.model)
+        check_vocabulary(self._tokenizer, getattr(model.config, "vocab_size", None))
+        if is_peft_model(model):
+            check_lora_on_tied_embeddings(model)
         a = self.async_args
         cpu_workers = a.rollout_backend == "transformers" and a.rollout_device == "cpu"
         if cpu_workers and self.accelerator.device.type == "cpu" and os.environ.get("OMP_WAIT_POLICY") != "PASSIVE":
@@ -198,78 +183,6 @@ class AsyncGRPOTrainer(GRPOTrainer):
             )
         if self.args.use_transformers_continuous_batching:
             logger.warning("use_transformers_continuous_batching is ignored: rollout workers use `generate`.")
-
-    def _check_lora_on_tied_embeddings(self) -> None:
-        """A LoRA adapter on an input embedding tied to the output layer: the trainer's forward adds it to the
-        embedding lookup only, while a worker given the merged embedding would use it for the output layer too (the
-        tie), sampling from another policy. Refused rather than silently corrected as staleness."""
-        model = self.accelerator.unwrap_model(self.model)
-        if not is_peft_model(model):
-            return
-        output = model.get_output_embeddings()
-        output_weight = getattr(output, "weight", None)
-        for name, module in model.named_modules():
-            adapters = getattr(module, "lora_embedding_A", None)
-            if adapters and output_weight is not None and module.get_base_layer().weight is output_weight:
-                raise NotImplementedError(
-                    f"LoRA on `{name}`, whose weight is tied to the output layer: the rollout workers would sample "
-                    "with the adapter in the output layer too, the trainer without. Leave the embedding out of "
-                    "target_modules (or train it fully with modules_to_save), or use a model with untied embeddings."
-                )
-
-    def _check_vocabulary(self) -> None:
-        """Token ids past the model's embedding table crash generation only if they reach the model. The pad id (the
-        trainer pads with it) is checked here; prompt tokens as each prompt is first tokenized (the row is named); eos
-        is only a stop token the model emits, and bos reaches the model inside prompts. A tokenizer with unused extra
-        ids (one that gained ``<|endoftext|>`` on reload) trains, as under GRPOTrainer, with a warning."""
-        tokenizer = self._tokenizer
-        vocab = getattr(self.accelerator.unwrap_model(self.model).config, "vocab_size", None)
-        if vocab is None or len(tokenizer) <= vocab:
-            return
-        pad = tokenizer.pad_token_id
-        if pad is not None and pad >= vocab:
-            raise ValueError(
-                f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab}, and the trainer "
-                f"pads with an id past the embedding table: pad_token_id={pad} "
-                f"({tokenizer.convert_ids_to_tokens(pad)!r}). Pass the model's own tokenizer, or call "
-                "model.resize_token_embeddings(len(tokenizer)) before building the trainer."
-            )
-        extra = tokenizer.convert_ids_to_tokens(list(range(vocab, len(tokenizer))))
-        logger.warning(
-            f"The tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab}: {extra} are past the "
-            "embedding table. Training goes on (the pad token is inside it); a prompt containing one of them "
-            "fails with its row named."
-        )
-
-    def _reward_funcs_for_scoring(self) -> list:
-        """The reward functions the background scorer calls (main process). Under ZeRO-3 GRPOTrainer shards reward
-        models with DeepSpeed, so each forward is a collective every rank must join; the scorer runs on the main
-        process's background thread, alone. So every rank gathers each reward model once, here, and the main
-        process keeps a plain, unsharded copy to score with (the cost: one full reward model in its memory)."""
-        funcs = list(self.reward_funcs)
-        if not self._dist.is_zero3:
-            return funcs
-        for i, func in enumerate(funcs):
-            module = getattr(func, "module", func)  # the DeepSpeed engine's model
-            # only what DeepSpeed partitioned (TRL shards PreTrainedModel rewards; other modules stay local)
-            if isinstance(module, nn.Module) and any(hasattr(p, "ds_id") for p in module.parameters()):
-                with self._dist.gather_params(list(module.parameters())):
-                    state = (
-                        {k: v.detach().clone() for k, v in module.state_dict().items()}
-                        if self.accelerator.is_main_process
-                        else None
-                    )
-                if state is not None:
-                    from transformers.modeling_utils import set_zero3_state
-
-                    # transformers would wrap a model built under ZeRO-3 in zero.Init (a collective, on rank 0 alone:
-                    # a hang); marking zero.Init as already entered makes it build plain tensors
-                    with set_zero3_state():
-                        copy_ = type(module)(module.config)
-                    copy_.load_state_dict(state)
-                    dtype = next(module.parameters()).dtype
-                    funcs[i] = copy_.to(device=self.accelerator.device, dtype=dtype).eval().requires_grad_(False)
-        return funcs
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
     def train(self, *args, **kwargs):
