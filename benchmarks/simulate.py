@@ -9,8 +9,8 @@ max_groups_admitted`` (AReaL's rule) capped by the queue size; a worker takes up
 groups per generate call and samples them with the newest published version at the call's start (``batch`` weight
 update); the trainer consumes ``groups_per_step`` groups per optimizer step in arrival order, drops groups staler than
 ``max_staleness`` (their slots are admitted again), trains, and publishes every ``weight_sync_steps`` steps, paying
-``sync_s`` on the trainer. Finished groups are scored one at a time (``score_s`` each; the trainer process's
-collector thread) before the trainer can take them. One step per generation batch (GRPOTrainer's default).
+``sync_s`` on the trainer. Finished groups are scored ``scorers`` at a time (``score_s`` each; the trainer process's
+scoring threads, ``rollout_scoring_threads``) before the trainer can take them. One step per generation batch (GRPOTrainer's default).
 
     python benchmarks/simulate.py          # cluster-scale plots (throughput and staleness vs workers, max_staleness)
 
@@ -45,7 +45,8 @@ class Pipeline:
     sync_s: float = 0.0
     weight_sync_steps: int = 1
     queue_size: int | None = None  # groups queued or in flight; None: (max_staleness + 1) batches, as the trainer
-    score_s: float | Sequence[float] = 0.0  # reward latency per group; one scorer, first come first served
+    score_s: float | Sequence[float] = 0.0  # reward latency per group, first come first served
+    scorers: int = 1  # groups scored concurrently (rollout_scoring_threads)
 
 
 @dataclass
@@ -92,7 +93,7 @@ def simulate(p: Pipeline, steps: int) -> Prediction:
     queue_size = p.queue_size or (p.max_staleness + 1) * p.groups_per_step
     gen_times, train_times, score_times = _cycle(p.gen_call_s), _cycle(p.train_step_s), _cycle(p.score_s)
     to_score: list[int] = []  # versions of generated groups waiting for the scorer
-    scorer_busy = False
+    scoring = 0  # groups being scored now
     published, admitted, consumed = 0, 0, 0
     ready: list[int] = []  # versions of finished groups, in arrival order
     idle_workers = list(range(p.workers))
@@ -138,9 +139,9 @@ def simulate(p: Pipeline, steps: int) -> Prediction:
         heapq.heappush(events, (now + duration, next(order), "trained", ()))
 
     def score_next(now: float) -> None:
-        nonlocal scorer_busy
-        if to_score and not scorer_busy:
-            scorer_busy = True
+        nonlocal scoring
+        while to_score and scoring < p.scorers:
+            scoring += 1
             heapq.heappush(events, (now + next(score_times), next(order), "scored", (to_score.pop(0),)))
 
     dispatch(0.0)
@@ -155,7 +156,7 @@ def simulate(p: Pipeline, steps: int) -> Prediction:
             idle_workers.append(w)
         elif kind == "scored":
             ready.append(data[0])
-            scorer_busy = False
+            scoring -= 1
         else:  # trained
             version += 1
             consumed += p.groups_per_step

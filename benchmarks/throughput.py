@@ -4,13 +4,23 @@ run, interleaved, on this machine's cores, in the regimes users meet. See ../sha
     python benchmarks/throughput.py --quick   # ~5 min: one repeat, fewer steps
     python benchmarks/throughput.py           # two interleaved repeats, more steps
 
-Per run it measures, over the steps after a warm-up: wall time, samples/s, completion tokens/s, the trainer's busy
-share (training compute, not generating or waiting), the workers' busy share (async), and the weight-sync share.
+Per run it measures, over the steps after a warm-up (steady state): wall time, samples/s, completion tokens/s, the
+trainer's busy share (training compute, not generating or waiting), the workers' busy share (async), and the
+weight-sync share. Outside the steady state: start-up (``train()`` called to the first batch ready: worker spawn and
+the first generation) and end to end (trainer construction to the end of ``train()``, warm-up steps included).
 
-Bound (shared cores): no schedule beats the total single-core work / cores. The single-core work is the
-synchronous 1-thread run's wall time minus its reward latency (a sleeping verifier uses no core); efficiency =
-bound / measured time, reported for every run. Also reported: the ideal speed-up with separate devices per phase,
-(G + T) / max(G, T), from the same 1-thread run.
+Equal work: each side samples its own completion lengths (``long_tail``), so the comparison that holds whatever the
+lengths is tokens per second ("tokens/s vs best sync"); steps per second is reported beside it.
+
+Sync baselines: TRL's GRPOTrainer in one process with 1 or 2 torch threads, and 2-process DDP under ``accelerate
+launch`` (gloo, 1 thread per rank, half the batch per rank); the best of them is "best sync".
+
+Bound (shared cores): no schedule beats the single-core CPU work / cores, nor the reward latency divided by the
+groups scored at once. The single-core work is the synchronous 1-thread run's wall time minus its reward latency (a
+sleeping verifier uses no core), scaled to this run's completion tokens; the reward latency is the verifier's sleep
+over the run's completions divided by the concurrent scorers (1 for GRPOTrainer, ``rollout_scoring_threads`` for
+async); bound = the larger of the two, efficiency = bound / measured time. Also reported: the ideal speed-up with
+separate devices per phase, (G + T) / max(G, T), from the same 1-thread run.
 
 Writes benchmarks/results/throughput.{json,png} (+ throughput_reward.png, throughput_timeline.png) and the tables in
 benchmarks/README.md. The pipeline simulator (simulate.py) is validated against the async runs here.
@@ -21,8 +31,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -59,11 +71,13 @@ class Regime:
     reward_delay_s: float = 0.0  # per completion, a sleeping verifier
     workers: int = 1
     batch_groups: int | None = None  # rollout_batch_groups (None: the batch split across the workers)
+    scoring_threads: tuple[int, ...] = ()  # extra async runs (max_staleness 1) with these rollout_scoring_threads
 
 
 REGIMES = [
     Regime("balanced", "balanced phases, instant reward", hidden=256, layers=4, completion=32),
-    Regime("slow_reward", "verifier 20 ms per completion", hidden=256, layers=4, completion=32, reward_delay_s=0.02),
+    Regime("slow_reward", "verifier 20 ms per completion", hidden=256, layers=4, completion=32, reward_delay_s=0.02,
+           scoring_threads=(4,)),  # fmt: skip
     Regime(
         "long_tail",
         "long-tailed lengths (median 21, max 96)",
@@ -155,15 +169,21 @@ def _overlap(intervals, lo: float, hi: float) -> float:
 
 
 def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, seed: int = 0,
-            threads: int = 1, staleness: int = 0, task=None) -> dict:  # fmt: skip
-    """One training run; ``kind`` is "sync" (TRL GRPOTrainer with ``threads`` torch threads) or "async"."""
+            threads: int = 1, staleness: int = 0, task=None, scoring_threads: int = 1, processes: int = 1) -> dict:  # fmt: skip
+    """One training run; ``kind`` is "sync" (TRL GRPOTrainer with ``threads`` torch threads) or "async".
+
+    ``processes`` > 1 (sync only): this is one rank of a DDP run launched by ``launch_ddp``; each rank takes
+    BATCH / processes completions per step.
+    """
     torch.set_num_threads(threads)
+    constructed = time.time()
     common = dict(
-        output_dir=tempfile.mkdtemp(prefix="tp_"), max_steps=warmup + steps, per_device_train_batch_size=BATCH,
+        output_dir=tempfile.mkdtemp(prefix="tp_"), max_steps=warmup + steps, per_device_train_batch_size=BATCH // processes,
         num_generations=GROUP, max_completion_length=regime.completion, temperature=1.0, learning_rate=1e-5,
         beta=0.0, logging_steps=1, report_to=[], bf16=False, use_cpu=True, save_strategy="no", seed=seed,
         disable_tqdm=True, gradient_checkpointing=False,
         generation_kwargs={"min_new_tokens": regime.completion} if regime.forced else None,
+        ddp_backend="gloo" if processes > 1 else None,
     )  # fmt: skip
     if task is not None:  # the learning-curve task (tiny_demo's spelling) overrides model-free settings
         common.update(task["settings"], max_steps=warmup + steps, output_dir=common["output_dir"], seed=seed,
@@ -176,26 +196,32 @@ def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, 
                                    train_dataset=data, callbacks=[clock])  # fmt: skip
     else:
         args = AsyncGRPOConfig(**common, max_staleness=staleness, num_rollout_workers=regime.workers,
-                               rollout_batch_groups=regime.batch_groups)  # fmt: skip
+                               rollout_batch_groups=regime.batch_groups,
+                               rollout_scoring_threads=scoring_threads)  # fmt: skip
         trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=data,
                                    callbacks=[clock])  # fmt: skip
     started = time.time()
     trainer.train()
+    finished = time.time()
     lo, hi = clock.step_end[warmup - 1] if warmup else started, clock.step_end[-1]
     wall = hi - lo
     window = [h for h in trainer.state.log_history if "completions/mean_length" in h][warmup:]
     tokens = sum(h["completions/mean_length"] * BATCH for h in window)
     row = {
-        "regime": regime.name, "kind": kind, "threads": threads, "staleness": staleness if kind == "async" else None,
-        "workers": regime.workers if kind == "async" else 0, "steps": steps, "wall_s": wall,
-        "samples_per_s": steps * BATCH / wall, "tokens_per_s": tokens / wall,
+        "regime": regime.name, "kind": kind if processes == 1 else "ddp", "threads": threads,
+        "staleness": staleness if kind == "async" else None, "scoring_threads": scoring_threads if kind == "async" else 1,
+        "workers": regime.workers if kind == "async" else 0, "steps": steps, "seed": seed, "wall_s": wall,
+        "samples_per_s": steps * BATCH / wall, "tokens_per_s": tokens / wall, "tokens": tokens,
+        "end_to_end_s": finished - constructed,
+        "reward_sleep_s": regime.reward_delay_s * steps * BATCH,  # the verifier's latency over the measured steps
         "rewards": [(t - started, r) for t, r in clock.rewards],
     }  # fmt: skip
     if kind == "sync":
         gen = _overlap([(s, e) for k, s, e in trainer.phases if k == "generate"], lo, hi)
         rew = _overlap([(s, e) for k, s, e in trainer.phases if k == "reward"], lo, hi)
         row.update(generate_s=gen, reward_s=rew, trainer_busy=(wall - gen - rew) / wall, worker_busy=None,
-                   sync_share=0.0)  # fmt: skip
+                   sync_share=0.0,
+                   startup_s=next(e for k, _, e in trainer.phases if k == "reward") - started)  # fmt: skip
         row["timeline"] = [(k, 0, s - lo, e - lo) for k, s, e in trainer.phases if s < hi and e > lo]
     else:
         pool = trainer.last_rollout_pool
@@ -206,6 +232,7 @@ def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, 
         wait = _overlap(waits, lo, hi)
         syncs = [h.get("async/weight_sync_s", 0.0) for h in window]
         row.update(
+            startup_s=waits[0][1] - started,  # the first take() returned: the first batch is ready
             trainer_busy=(wall - wait) / wall,
             worker_busy=_overlap([(s, e) for _, s, e in calls], lo, hi) / (wall * regime.workers),
             sync_share=sum(syncs) / wall,
@@ -215,6 +242,7 @@ def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, 
             sync_s=statistics.fmean(syncs) if syncs else 0.0,
             score_s=statistics.median(e - s for s, e in scores) if scores else 0.0,
             groups_per_call=trainer._rollout_batch_groups,
+            max_length=[h["completions/max_length"] for h in window],  # per step (one generate call per step here)
         )  # fmt: skip
         row["timeline"] = (
             [("wait", 0, s - lo, e - lo) for s, e in waits if s < hi and e > lo]
@@ -228,33 +256,62 @@ def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, 
 
 
 def configs(regime: Regime, quick: bool) -> list[dict]:
-    out = [dict(kind="sync", threads=1), dict(kind="sync", threads=2)]
+    out = [dict(kind="sync", threads=1), dict(kind="sync", threads=2), dict(kind="sync", threads=1, processes=2)]
     stalenesses = [0, 1, 2, 4] if (regime.name == "balanced" or not quick) else [1, 2]
-    return out + [dict(kind="async", staleness=s) for s in stalenesses]
+    out += [dict(kind="async", staleness=s) for s in stalenesses]
+    return out + [dict(kind="async", staleness=1, scoring_threads=n) for n in regime.scoring_threads]
+
+
+def launch_ddp(regime: Regime, model_dir: str, **kwargs) -> dict:
+    """A 2-process DDP run of TRL's GRPOTrainer under ``accelerate launch``; rank 0 writes the row."""
+    result = Path(tempfile.mkdtemp(prefix="tp_ddp_")) / "row.json"
+    spec = {"regime": regime.name, "model_dir": model_dir, **kwargs}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(HERE.parent / "recipes/accelerate/ddp.yaml"), "--num_processes", str(kwargs["processes"]),
+           __file__, "--ddp_run", json.dumps(spec), "--result", str(result)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"DDP run failed:\n{done.stderr[-4000:]}")
+    return json.loads(result.read_text())
+
+
+def label(r: dict) -> str:
+    if r["kind"] == "ddp":
+        return "sync DDP 2×1 thr"
+    if r["kind"] == "sync":
+        return f"sync {r['threads']} thr"
+    return f"async η={r['staleness']}" + (f", {r['scoring_threads']} scorers" if r["scoring_threads"] > 1 else "")
 
 
 def summarise(rows: list[dict]) -> list[dict]:
     """Median over repeats per (regime, config); bound and efficiency from the 1-thread sync run of the regime."""
     keyed: dict[tuple, list[dict]] = {}
     for r in rows:
-        keyed.setdefault((r["regime"], r["kind"], r["threads"], r["staleness"]), []).append(r)
+        keyed.setdefault((r["regime"], label(r)), []).append(r)
     out = []
-    for key, group in keyed.items():
-        med = {k: statistics.median(r[k] for r in group) for k in ("wall_s", "samples_per_s", "tokens_per_s",
-                                                                    "trainer_busy", "sync_share")}  # fmt: skip
+    for (regime, name), group in keyed.items():
+        med = {k: statistics.median(r[k] for r in group) for k in (
+            "wall_s", "samples_per_s", "tokens_per_s", "tokens", "trainer_busy", "sync_share", "startup_s",
+            "end_to_end_s", "reward_sleep_s")}  # fmt: skip
         wb = [r["worker_busy"] for r in group if r["worker_busy"] is not None]
-        out.append({**dict(zip(("regime", "kind", "threads", "staleness"), key, strict=True)), **med,
+        first = group[0]
+        out.append({"regime": regime, "config": name, "kind": first["kind"], "threads": first["threads"],
+                    "staleness": first["staleness"], "scoring_threads": first["scoring_threads"], **med,
                     "worker_busy": statistics.median(wb) if wb else None, "repeats": len(group)})  # fmt: skip
     for regime in {r["regime"] for r in out}:
         mine = [r for r in out if r["regime"] == regime]
         one = [r for r in rows if r["regime"] == regime and r["kind"] == "sync" and r["threads"] == 1]
-        work = statistics.median(r["wall_s"] - r["reward_s"] for r in one)  # single-core work (reward sleeps)
+        work = statistics.median(r["wall_s"] - r["reward_s"] for r in one)  # single-core CPU work (reward sleeps)
+        work_per_token = work / statistics.median(r["tokens"] for r in one)
         gen = statistics.median(r["generate_s"] for r in one)
-        best_sync = min(r["wall_s"] for r in mine if r["kind"] == "sync")
+        syncs = [r for r in mine if r["kind"] != "async"]
+        best_wall, best_tokens = min(r["wall_s"] for r in syncs), max(r["tokens_per_s"] for r in syncs)
         for r in mine:
-            r["bound_s"] = work / CORES
+            r["bound_s"] = max(work_per_token * r["tokens"] / CORES, r["reward_sleep_s"] / r["scoring_threads"])
             r["efficiency"] = r["bound_s"] / r["wall_s"]
-            r["speedup_vs_best_sync"] = best_sync / r["wall_s"]
+            r["speedup_vs_best_sync"] = best_wall / r["wall_s"]  # steps per second
+            r["tokens_vs_best_sync"] = r["tokens_per_s"] / best_tokens  # equal work whatever the lengths
             r["separate_device_ideal"] = work / max(gen, work - gen)
     return out
 
@@ -276,23 +333,45 @@ def learning_curves(steps: int) -> dict:
     return curves
 
 
-def validate_simulator(rows: list[dict]) -> list[dict]:
+def _simulate(pipeline_kwargs: dict, steps: int) -> float:
     from simulate import Pipeline, simulate
 
+    return simulate(Pipeline(**pipeline_kwargs), steps=steps + 10).seconds_per_step(warmup=10)
+
+
+def validate_simulator(rows: list[dict]) -> list[dict]:
+    """Two checks of benchmarks/simulate.py against the async runs.
+
+    "fed": the simulator gets the run's own measured generate-call, step, sync and scoring times, so it only checks
+    the scheduling rules (admission, staleness, queueing). "predicted": it gets the *balanced* regime's times, scaled
+    to the other regime by what a user knows before running (completion lengths, the verifier's latency, the number
+    of scorers), and predicts that regime's seconds per step, which it cannot match by construction. The per-token
+    scaling: a generate call and a training step on a padded batch cost in proportion to (prompt + longest
+    completion) tokens. gen_bound uses another model, so it is not predicted from balanced.
+    """
     out = []
-    for r in rows:
-        if r["kind"] != "async" or not r["gen_calls_s"]:
-            continue
-        groups_per_step = BATCH // GROUP
-        workers = next(g.workers for g in REGIMES if g.name == r["regime"])
-        pipeline = Pipeline(workers=workers, gen_call_s=statistics.median(r["gen_calls_s"]),
-                            groups_per_call=r["groups_per_call"], train_step_s=statistics.median(r["train_steps_s"]),
-                            groups_per_step=groups_per_step, max_staleness=r["staleness"],
-                            sync_s=r["sync_s"], score_s=r["score_s"])  # fmt: skip
-        pred = simulate(pipeline, steps=r["steps"] + 10).seconds_per_step(warmup=10)
+    asyncs = [r for r in rows if r["kind"] == "async" and r["gen_calls_s"]]
+    prompt = len(dataset()[0]["prompt"])  # character tokenizer, no chat template: one token per character
+    for r in asyncs:
+        regime = next(g for g in REGIMES if g.name == r["regime"])
+        base = dict(workers=regime.workers, groups_per_call=r["groups_per_call"], groups_per_step=BATCH // GROUP,
+                    max_staleness=r["staleness"], scorers=r["scoring_threads"])  # fmt: skip
+        fed = _simulate({**base, "gen_call_s": statistics.median(r["gen_calls_s"]), "sync_s": r["sync_s"],
+                         "train_step_s": statistics.median(r["train_steps_s"]), "score_s": r["score_s"]}, r["steps"])  # fmt: skip
         measured = r["wall_s"] / r["steps"]
-        out.append({"regime": r["regime"], "staleness": r["staleness"], "measured_s_per_step": measured,
-                    "predicted_s_per_step": pred, "error": pred / measured - 1})  # fmt: skip
+        row = {"regime": r["regime"], "staleness": r["staleness"], "scoring_threads": r["scoring_threads"],
+               "seed": r["seed"], "measured_s_per_step": measured, "fed_s_per_step": fed,
+               "fed_error": fed / measured - 1, "predicted_s_per_step": None, "predicted_error": None}  # fmt: skip
+        ref = next((b for b in asyncs if b["regime"] == "balanced" and b["staleness"] == r["staleness"]
+                    and b["seed"] == r["seed"] and b["scoring_threads"] == 1), None)  # fmt: skip
+        if r["regime"] in ("slow_reward", "long_tail") and ref is not None:
+            ref_len = next(g.completion for g in REGIMES if g.name == "balanced")
+            scale = (prompt + statistics.fmean(r["max_length"])) / (prompt + ref_len)
+            pred = _simulate({**base, "gen_call_s": statistics.median(ref["gen_calls_s"]) * scale,
+                              "train_step_s": statistics.median(ref["train_steps_s"]) * scale, "sync_s": ref["sync_s"],
+                              "score_s": regime.reward_delay_s * GROUP + ref["score_s"]}, r["steps"])  # fmt: skip
+            row.update(predicted_s_per_step=pred, predicted_error=pred / measured - 1)
+        out.append(row)
     return out
 
 
@@ -306,18 +385,15 @@ def plots(rows: list[dict], curves: dict) -> None:
     summary = summarise(rows)
     regimes = [g.name for g in REGIMES]
     fig, ax = plt.subplots(figsize=(9, 4))
-    labels = sorted(
-        {(r["kind"], r["threads"], r["staleness"]) for r in summary}, key=lambda k: (k[0], k[2] or 0, k[1])
-    )
+    labels = list(dict.fromkeys(r["config"] for r in summary))
     width = 0.8 / len(labels)
-    for i, (kind, threads, s) in enumerate(labels):
-        ys = [next((r["speedup_vs_best_sync"] for r in summary if r["regime"] == g and
-                    (r["kind"], r["threads"], r["staleness"]) == (kind, threads, s)), 0) for g in regimes]  # fmt: skip
-        name = f"sync {threads} thr" if kind == "sync" else f"async η={s}"
+    for i, name in enumerate(labels):
+        ys = [next((r["tokens_vs_best_sync"] for r in summary if r["regime"] == g and r["config"] == name), 0)
+              for g in regimes]  # fmt: skip
         ax.bar([x + i * width for x in range(len(regimes))], ys, width, label=name)
     ax.axhline(1.0, color="k", lw=1)
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(regimes))], regimes)
-    ax.set(ylabel="speed-up vs best sync", title="throughput (higher is better)")
+    ax.set(ylabel="tokens/s vs best sync", title="throughput, equal work (higher is better)")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(report.png_path("throughput"), dpi=110)
@@ -359,52 +435,79 @@ def main() -> None:
     import report
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="one repeat, fewer steps (~5 min)")
+    parser.add_argument("--quick", action="store_true", help="one repeat, fewer steps (~8 min)")
+    parser.add_argument("--regimes", nargs="*", default=[g.name for g in REGIMES])
+    parser.add_argument("--ddp_run", help=argparse.SUPPRESS)  # one DDP rank, launched by launch_ddp
+    parser.add_argument("--result", help=argparse.SUPPRESS)
     cli = parser.parse_args()
+    if cli.ddp_run:
+        spec = json.loads(cli.ddp_run)
+        name = spec.pop("regime")
+        regime = next(g for g in REGIMES if g.name == name)
+        row = run_one(regime, spec.pop("model_dir"), **spec)
+        if int(os.environ.get("RANK", "0")) == 0:
+            Path(cli.result).write_text(json.dumps(row))
+        return
     repeats, steps, warmup, curve_steps = (1, 6, 2, 200) if cli.quick else (2, 12, 3, 400)
+    started = time.time()
     work = tempfile.mkdtemp(prefix="throughput_")
     rows = []
-    for regime in REGIMES:
+    for regime in [g for g in REGIMES if g.name in cli.regimes]:
         model_dir = make_model(regime, os.path.join(work, regime.name))
         for rep in range(repeats):  # interleaved: every config once per repeat, in turn
             for cfg in configs(regime, cli.quick) if rep % 2 == 0 else configs(regime, cli.quick)[::-1]:
-                rows.append(run_one(regime, model_dir, steps=steps, warmup=warmup, seed=rep, **cfg))
+                run = launch_ddp if cfg.get("processes", 1) > 1 else run_one
+                rows.append(run(regime, model_dir, steps=steps, warmup=warmup, seed=rep, **cfg))
                 r = rows[-1]
-                print(f"{regime.name:12s} {r['kind']:5s} thr={r['threads']} η={r['staleness']} "
-                      f"{r['wall_s']:.2f}s {r['samples_per_s']:.1f} samples/s", flush=True)  # fmt: skip
+                print(f"{regime.name:12s} {label(r):24s} {r['wall_s']:.2f}s {r['tokens_per_s']:.0f} tokens/s "
+                      f"start-up {r['startup_s']:.1f}s", flush=True)  # fmt: skip
     curves = learning_curves(curve_steps)
     summary = summarise(rows)
     validation = validate_simulator(rows)
+    command = "python benchmarks/throughput.py" + (" --quick" if cli.quick else "")
     report.write_json("throughput", {"cores": CORES, "quick": cli.quick, "steps": steps, "warmup": warmup,
+                                     "command": command, "elapsed_s": time.time() - started,
                                      "summary": summary, "simulator_validation": validation,
                                      "curves": curves, "runs": rows})  # fmt: skip
     plots(rows, curves)
     table = report.markdown_table(
-        ["regime", "trainer", "wall s", "samples/s", "tokens/s", "trainer busy", "worker busy", "sync share",
-         "efficiency", "vs best sync", "separate-device ideal"],
-        [[r["regime"], f"sync {r['threads']} thr" if r["kind"] == "sync" else f"async η={r['staleness']}",
-          r["wall_s"], r["samples_per_s"], r["tokens_per_s"], r["trainer_busy"],
-          "-" if r["worker_busy"] is None else r["worker_busy"], r["sync_share"], r["efficiency"],
-          r["speedup_vs_best_sync"], r["separate_device_ideal"]] for r in summary],
+        ["regime", "trainer", "wall s", "samples/s", "tokens/s", "tokens/s vs best sync", "steps/s vs best sync",
+         "trainer busy", "worker busy", "sync share", "efficiency", "start-up s", "end to end s",
+         "separate-device ideal"],
+        [[r["regime"], r["config"], r["wall_s"], r["samples_per_s"], r["tokens_per_s"], r["tokens_vs_best_sync"],
+          r["speedup_vs_best_sync"], r["trainer_busy"], "-" if r["worker_busy"] is None else r["worker_busy"],
+          r["sync_share"], r["efficiency"], r["startup_s"], r["end_to_end_s"], r["separate_device_ideal"]]
+         for r in summary],
     )  # fmt: skip
+    pct = lambda e: "-" if e is None else f"{100 * e:+.0f}%"  # noqa: E731
     sim_table = report.markdown_table(
-        ["regime", "max_staleness", "measured s/step", "simulated s/step", "error"],
-        [[v["regime"], v["staleness"], v["measured_s_per_step"], v["predicted_s_per_step"],
-          f"{100 * v['error']:+.0f}%"] for v in validation],
+        ["regime", "max_staleness", "scorers", "seed", "measured s/step", "fed: simulated s/step", "fed error",
+         "predicted from balanced s/step", "predicted error"],
+        [[v["regime"], v["staleness"], v["scoring_threads"], v["seed"], v["measured_s_per_step"],
+          v["fed_s_per_step"], pct(v["fed_error"]), "-" if v["predicted_s_per_step"] is None
+          else v["predicted_s_per_step"], pct(v["predicted_error"])] for v in validation],
     )  # fmt: skip
     final = {name: statistics.fmean(r for _, r in c["rewards"][-20:]) for name, c in curves.items()}
-    command = "python benchmarks/throughput.py" + (" --quick" if cli.quick else "")
     regimes = "\n".join(
         f"- `{g.name}`: {g.what}; h{g.hidden}×{g.layers} layers, {g.completion} tokens" for g in REGIMES
     )
     report.update_readme(
         "throughput",
         f"### Throughput vs TRL's GRPOTrainer (`{command}`)\n\n{CORES} cores; batch {BATCH} = {BATCH // GROUP} "
-        f"prompts × {GROUP}; {steps} measured steps after {warmup} warm-up; {repeats} interleaved repeat(s), median. "
-        "Async: trainer 1 thread + workers 1 thread each. 'efficiency' = (single-core work ÷ cores) ÷ wall time; "
-        "'vs best sync' = best synchronous wall ÷ this wall; 'separate-device ideal' = (G+T)/max(G,T).\n\n"
-        f"{regimes}\n\n{table}\n\nSimulator (`benchmarks/simulate.py`) fed this run's measured generate-call and "
-        f"step times:\n\n{sim_table}\n\nLearning on the tiny_demo task ({curve_steps} steps, same seed), mean "
+        f"prompts × {GROUP}; {steps} measured steps after {warmup} warm-up; {repeats} interleaved repeat(s), median; "
+        f"{(time.time() - started) / 60:.0f} min in all. "
+        "Async: trainer 1 thread + workers 1 thread each. Steady state (after warm-up): wall s, samples/s, tokens/s, "
+        "the two 'vs best sync' ratios, busy and sync shares, efficiency. 'start-up s' = `train()` called to the "
+        "first batch ready; 'end to end s' = trainer construction to the end of `train()`, warm-up included. "
+        "'tokens/s vs best sync' = this tokens/s ÷ the best synchronous tokens/s (equal work whatever the sampled "
+        "lengths); 'steps/s vs best sync' = best synchronous wall ÷ this wall; 'efficiency' = bound ÷ wall time, "
+        "bound = max(single-core CPU work for this run's tokens ÷ cores, verifier sleep ÷ concurrent scorers); "
+        "'separate-device ideal' = (G+T)/max(G,T).\n\n"
+        f"{regimes}\n\n{table}\n\nSimulator (`benchmarks/simulate.py`): 'fed' = given this run's own measured "
+        "generate-call, step, sync and scoring times (checks the scheduling rules only); 'predicted' = given the "
+        "balanced regime's times of the same seed and staleness, scaled by (prompt + longest completion) tokens and "
+        "the verifier's known latency, predicting another regime (a check it cannot pass by construction):\n\n"
+        f"{sim_table}\n\nLearning on the tiny_demo task ({curve_steps} steps, same seed), mean "
         f"reward of the last 20 steps: "
         + ", ".join(f"{k} {v:.2f} in {curves[k]['wall_s']:.0f} s" for k, v in final.items())
         + "\n\n![](results/throughput.png)\n![](results/throughput_reward.png)\n![](results/throughput_timeline.png)",

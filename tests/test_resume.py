@@ -81,3 +81,47 @@ def test_resume_inside_a_generation_batch_drops_nothing_and_follows_grpo_trainer
     assert pool.dropped_groups == 0  # nothing generated one version early and thrown away
     assert second.state.global_step == 6 and no_rollout_children()
 
+
+
+def test_resume_after_out_of_order_groups_neither_repeats_nor_skips_prompts(tmp_path, tiny_model_dir):
+    """Groups reach the trainer out of order (here the first prompt's reward is slow and a second scoring thread
+    scores the next groups meanwhile), so the prompts trained by the checkpoint are not the first ones of the
+    sampler's order. The resumed run must train the held-back prompt and nothing twice."""
+    import threading
+    import time
+
+    from trl.trainer.utils import RepeatSampler
+
+    order = list(RepeatSampler(range(12), mini_repeat_count=1, batch_size=2, shuffle=True, seed=3))
+    slow_letter = "abcdefghijkl"[order[0]]
+    done = threading.Event()  # the first run's checkpoint is written: the slow reward may finish
+
+    def slow_first_prompt(prompts, completions, letter, **kwargs):
+        if letter[0] == slow_letter:
+            done.wait(timeout=60)
+        return letter_reward(prompts, completions, letter)
+
+    settings = dict(max_steps=4, max_staleness=3, save_strategy="steps", save_steps=2, seed=3,
+                    rollout_scoring_threads=2)  # fmt: skip
+    first = RecordingTrainer(model=tiny_model_dir, reward_funcs=slow_first_prompt,
+                             args=async_args(tmp_path / "run", **settings), train_dataset=text_dataset(12))  # fmt: skip
+
+    class StopAtTwo(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                control.should_training_stop = True
+
+        def on_save(self, args, state, control, **kwargs):
+            done.set()
+
+    first.add_callback(StopAtTwo())
+    first.train()
+    trained_first = [p for _, ps, _ in first.consumed for p in ps]
+    assert order[0] not in trained_first and len(trained_first) == 4  # out of order: a real check
+
+    second = _train(tiny_model_dir, tmp_path / "run", resume=str(tmp_path / "run" / "checkpoint-2"),
+                    max_staleness=3, seed=3)  # fmt: skip
+    trained = trained_first + [p for _, ps, _ in second.consumed for p in ps]
+    assert len(trained) == len(set(trained)) == 8  # nothing trained twice (one epoch of 12 prompts)
+    assert sorted(trained) == sorted(order[:8])  # nothing skipped: the first 8 prompts of the sampler's order
+    assert second.state.global_step == 4 and no_rollout_children()

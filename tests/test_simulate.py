@@ -54,3 +54,11 @@ def test_reward_latency_is_a_serial_stage_between_generation_and_training():
     assert sync.step_end_s == pytest.approx([4.0, 8.0])
     overlapped = simulate(Pipeline(max_staleness=1, score_s=0.25, **BASE), steps=4)
     assert overlapped.step_end_s == pytest.approx([4.0, 6.0, 8.0, 10.0])
+
+
+def test_concurrent_scorers_divide_the_reward_stage():
+    # 4 groups x 1 s of scoring after each 2 s call, max_staleness 0 (phases in turn). One scorer: 2 + 4 + 1 = 7 s per
+    # step; four scorers score the 4 groups at once: 2 + 1 + 1 = 4 s; two: 2 + 2 + 1 = 5 s.
+    for scorers, per_step in ((1, 7.0), (2, 5.0), (4, 4.0)):
+        pred = simulate(Pipeline(max_staleness=0, score_s=1.0, scorers=scorers, **BASE), steps=2)
+        assert pred.step_end_s == pytest.approx([per_step, 2 * per_step]), scorers

@@ -4,21 +4,30 @@ GRPOTrainer's ``RepeatSampler`` shuffles with ``args.seed``, cuts each permutati
 ``generation_batch_size // num_generations`` unique prompts (dropping an incomplete last batch), and repeats each
 batch for ``num_iterations * steps_per_generation`` micro-steps. The rollout workers need each unique prompt once, so
 this stream walks the same sampler with ``repeat_count=1``: the same permutations, epoch after epoch, forever (the
-trainer's own loop decides when training stops). A dropped (too stale) group is pushed back to the front, so its
-prompt is generated again rather than lost.
+trainer's own loop decides when training stops).
+
+Every draw has a *position* (its ordinal in that endless sequence). A dropped (too stale) group is pushed back to
+the front with its position, so its prompt is generated again rather than lost. Groups finish out of order (several
+workers, concurrent scoring), so the prompts a checkpoint has trained on need not be a prefix of the sequence: the
+stream records the version at which each position was taken for training, and ``progress`` summarises what is done
+as "every position below ``next_position``, plus ``consumed_after``". A stream built from that summary skips exactly
+those positions, so a resumed run neither repeats nor skips prompts.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from trl.trainer.utils import RepeatSampler
 
 
 class PromptStream:
-    def __init__(self, num_rows: int, groups_per_batch: int, shuffle: bool, seed: int, skip_batches: int = 0) -> None:
+    def __init__(self, num_rows: int, groups_per_batch: int, shuffle: bool, seed: int, skip_batches: int = 0,
+                 progress: dict | None = None) -> None:  # fmt: skip
+        """``progress`` (from :meth:`progress` of the interrupted run) takes precedence over ``skip_batches`` (the
+        in-order fallback for a checkpoint that has none)."""
         if num_rows < groups_per_batch:
             raise ValueError(
                 f"train_dataset has {num_rows} rows but one generation batch needs {groups_per_batch} distinct prompts "
@@ -28,19 +37,52 @@ class PromptStream:
             range(num_rows), mini_repeat_count=1, batch_size=groups_per_batch, shuffle=shuffle, seed=seed
         )
         self._indices = self._forever()
-        self._front: deque[int] = deque()
+        self._front: deque[tuple[int, int]] = deque()
         self._lock = threading.Lock()
-        for _ in range(skip_batches * groups_per_batch):
+        if progress is None:
+            progress = {"next_position": skip_batches * groups_per_batch, "consumed_after": []}
+        self._below = int(progress["next_position"])  # every position below this one is done (and forgotten)
+        self._taken: dict[int, int] = dict.fromkeys(progress["consumed_after"], -1)  # position -> version taken at
+        self._drawn = 0
+        for _ in range(self._below):
             next(self._indices)
+            self._drawn += 1
 
     def _forever(self) -> Iterator[int]:
         while True:
             yield from self._sampler
 
-    def next_index(self) -> int:
+    def next(self) -> tuple[int, int]:
+        """The next prompt to generate: ``(position, dataset row)``."""
         with self._lock:
-            return self._front.popleft() if self._front else next(self._indices)
+            if self._front:
+                return self._front.popleft()
+            while True:
+                position, row = self._drawn, next(self._indices)
+                self._drawn += 1
+                if position not in self._taken:  # not trained on before the resume
+                    return position, row
 
-    def push_front(self, index: int) -> None:
+    def next_index(self) -> int:
+        return self.next()[1]
+
+    def push_front(self, position: int, row: int) -> None:
         with self._lock:
-            self._front.appendleft(index)
+            self._front.appendleft((position, row))
+
+    def taken(self, positions: Iterable[int], version: int) -> None:
+        """The trainer took these positions for training at policy ``version``."""
+        with self._lock:
+            for p in positions:
+                self._taken[p] = version
+
+    def progress(self, done_up_to_version: int) -> dict:
+        """Positions whose training is complete (taken at a version <= ``done_up_to_version``), as a small JSON-able
+        summary; positions below the new watermark are forgotten."""
+        with self._lock:
+            done = {p for p, v in self._taken.items() if v <= done_up_to_version}
+            while self._below in done:
+                del self._taken[self._below]
+                done.discard(self._below)
+                self._below += 1
+            return {"next_position": self._below, "consumed_after": sorted(done)}

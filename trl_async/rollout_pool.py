@@ -97,6 +97,7 @@ class RolloutPool:
         self._admitted = 0  # groups dispatched and not dropped
         self._consumed = 0
         self._next_group_id = 0
+        self._positions: dict[int, int] = {}  # group id -> its prompt's stream position (prompts.PromptStream)
         self._ready: deque[ScoredGroup] = deque()
         self._expected_digests: dict[int, str] = {}
         self.dropped_samples = 0
@@ -175,6 +176,7 @@ class RolloutPool:
                     )
                 self._cv.wait(timeout=0.2)
             self._consumed += n
+            self._prompts.taken([self._positions.pop(g.group.group_id) for g in taken], consumer_version)
             self._cv.notify_all()
             now = time.perf_counter()
             tokens, self._tokens_since_take = self._tokens_since_take, 0
@@ -190,12 +192,17 @@ class RolloutPool:
         )
         return taken, stats
 
+    def prompt_progress(self, done_up_to_version: int) -> dict:
+        """Which prompts training has completed (see ``PromptStream.progress``), for a checkpoint."""
+        with self._cv:
+            return self._prompts.progress(done_up_to_version)
+
     def _drop_stale(self, group: RolloutGroup) -> None:
         """Never train on ``group``; generate its prompt again (caller holds the lock)."""
         self._admitted -= 1
         self.dropped_groups += 1
         self.dropped_samples += len(group.completion_ids)
-        self._prompts.push_front(group.prompt_index)
+        self._prompts.push_front(self._positions.pop(group.group_id), group.prompt_index)
         self._cv.notify_all()
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -293,7 +300,8 @@ class RolloutPool:
                 version = self._published
                 chunk = []
                 for _ in range(n):
-                    index = self._prompts.next_index()
+                    position, index = self._prompts.next()
+                    self._positions[self._next_group_id] = position
                     chunk.append(RolloutTask(self._next_group_id, index, self._tokenize_row(index), version))
                     self._next_group_id += 1
                 try:  # small messages, at most max_outstanding groups per lane: this never blocks
@@ -381,7 +389,7 @@ class RolloutPool:
         lost.kill()
         with self._cv:
             for task in reversed(list(lost.outstanding.values())):
-                self._prompts.push_front(task.prompt_index)
+                self._prompts.push_front(self._positions.pop(task.group_id), task.prompt_index)
             self._admitted -= len(lost.outstanding)
             regenerated = len(lost.outstanding)
             lost.outstanding.clear()

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from accelerate.utils import broadcast_object_list, gather, is_peft_model
 from datasets import IterableDataset
 from transformers import TrainerCallback
-from transformers.trainer_callback import ProgressCallback
+from transformers.trainer_callback import ExportableState, ProgressCallback
 from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.data_utils import is_conversational
@@ -53,6 +53,19 @@ class _PublishWeights(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer._maybe_publish_weights()
+
+
+class PromptProgress(TrainerCallback, ExportableState):
+    """Which prompts training has completed, saved in each checkpoint's ``trainer_state.json`` (transformers'
+    stateful callbacks) so that a resumed run neither repeats nor skips prompts when groups finished out of order
+    (``prompts.PromptStream.progress``). The trainer fills it in just before a checkpoint is written."""
+
+    def __init__(self, next_position: int = 0, consumed_after: list[int] | None = None) -> None:
+        self.next_position = next_position
+        self.consumed_after = list(consumed_after or [])
+
+    def state(self) -> dict:
+        return {"args": {"next_position": self.next_position, "consumed_after": self.consumed_after}, "attributes": {}}
 
 
 class AsyncGRPOTrainer(GRPOTrainer):
@@ -148,6 +161,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self.last_rollout_pool: RolloutPool | None = None
         self._consuming: list[tuple[ScoredGroup, int]] | None = None  # (group, completion index) per local row
         self.add_callback(_PublishWeights(self))
+        self.add_callback(PromptProgress())
         self._live: dict[str, float] = {}  # shown in the progress bar: the last consumed batch
         if any(isinstance(c, ProgressCallback) for c in self.callback_handler.callbacks):
             self.remove_callback(ProgressCallback)
@@ -226,12 +240,14 @@ class AsyncGRPOTrainer(GRPOTrainer):
             heartbeat_timeout_s=a.rollout_heartbeat_timeout_s,
             scoring_threads=a.rollout_scoring_threads,
         )
+        saved = self.state.stateful_callbacks.get(PromptProgress.__name__) if start_version else None
         prompts = PromptStream(
             len(self.train_dataset),
             self._groups_per_batch,
             shuffle=self.shuffle_dataset,
             seed=args.seed,
-            skip_batches=start_version // self._steps_per_batch,
+            skip_batches=start_version // self._steps_per_batch,  # a checkpoint without PromptProgress
+            progress=saved["args"] if isinstance(saved, dict) else None,
         )
         backend = self._vllm_backend(model) if a.rollout_backend == "vllm" else self._process_backend(model)
         return RolloutPool(backend, settings, prompts, self._make_tokenize_row(), self._make_score_group())
@@ -325,6 +341,15 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self._pool = self._start_pool()
         self._pool_started = True
         self._publish_weights(self.state.global_step)
+
+    def _save_checkpoint(self, model, trial):
+        if self._pool is not None:  # main process: record the completed prompts before trainer_state.json is written
+            # a batch taken at version v is complete once steps v .. v + steps_per_batch - 1 are done
+            done = self._pool.prompt_progress(self.state.global_step - self._steps_per_batch)
+            for callback in self.callback_handler.callbacks:
+                if isinstance(callback, PromptProgress):
+                    callback.next_position, callback.consumed_after = done["next_position"], done["consumed_after"]
+        return super()._save_checkpoint(model, trial)
 
     def _check_all_ranks_arrive(self, what: str) -> None:
         """Bounded rendezvous before a collective: with gloo, ``monitored_barrier`` names the ranks that did not
