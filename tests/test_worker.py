@@ -256,3 +256,21 @@ def test_behaviour_logprobs_apply_top_p_min_p_top_k_and_repetition_penalty():
     # each setting changes the sampled-from distribution here (top-k/top-p/min-p remove tokens), so a worker that
     # ignored any one of them would fail the equality above
     assert all(gap > 0.1 for gap in without.values()), without
+
+
+def test_a_later_turn_continues_each_context_within_its_own_budget():
+    """Multi-turn episodes: a task with one full context per episode row (ragged), mixed with a first-turn task in
+    the same generate call; every row is cut to its task's max_new_tokens and mu matches teacher forcing."""
+    tok, model, config = _setup()
+    first = RolloutTask(0, 0, tuple(tok("ab")["input_ids"]), 0)
+    contexts = (tuple(tok("ab 1+2=3 and")["input_ids"]), tuple(tok("ab zz")["input_ids"]))
+    later = RolloutTask(7, 0, first.prompt_ids, 0, contexts=contexts, rows=(1, 3), max_new_tokens=4)
+    torch.manual_seed(2)
+    groups = generate_groups(model, [first, later], config, 2, [tok.eos_token_id], tok.pad_token_id, lambda: 5)
+    assert [g.key for g in groups] == [(0, ()), (7, (1, 3))]
+    assert len(groups[0].completion_ids) == 2 and len(groups[1].completion_ids) == 2
+    assert max(len(c) for c in groups[0].completion_ids) > 4  # the first turn keeps the config's 10-token budget
+    for context, completion, logps in zip(contexts, groups[1].completion_ids, groups[1].logprobs, strict=True):
+        assert 1 <= len(completion) <= 4
+        torch.testing.assert_close(torch.tensor(logps), _teacher_forced_logps(model, context, completion),
+                                   atol=1e-5, rtol=0)  # fmt: skip

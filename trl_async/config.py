@@ -172,6 +172,21 @@ class AsyncFields:
             "(each thread gets its own tokenizer copies; async reward functions share one event loop)."
         },
     )
+    rollout_tool_threads: int = field(
+        default=16,
+        metadata={
+            "help": "With `tools`: episodes whose tool calls run at once, each on a thread of the main process (async "
+            "tools share one event loop). An episode waiting for its tool never holds up another's generation."
+        },
+    )
+    rollout_tool_timeout_s: float | None = field(
+        default=120.0,
+        metadata={
+            "help": "With `tools`: the longest one tool call may take; a call that does not return in time is "
+            "reported to the model as a failed call ({'error': ...}) and counted in tools/failure_frequency. None: "
+            "wait forever, as GRPOTrainer does. A timed-out sync tool keeps running on a daemon thread."
+        },
+    )
     rollout_trajectory_file: str | None = field(
         default=None,
         metadata={
@@ -353,6 +368,16 @@ class AsyncFields:
             isinstance(self.rollout_scoring_threads, int) and self.rollout_scoring_threads >= 1,
             "rollout_scoring_threads",
             "set it to 1 or more (1: one group at a time)",
+        )
+        need(
+            isinstance(self.rollout_tool_threads, int) and self.rollout_tool_threads >= 1,
+            "rollout_tool_threads",
+            "set it to 1 or more",
+        )
+        need(
+            self.rollout_tool_timeout_s is None or self.rollout_tool_timeout_s > 0,
+            "rollout_tool_timeout_s",
+            "set a positive number of seconds, or None to wait forever",
         )
         need(self.rollout_max_restarts >= 0, "rollout_max_restarts", "set 0 or more (0: fail at the first loss)")
         need(

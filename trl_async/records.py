@@ -21,6 +21,17 @@ class RolloutTask:
     prompt_index: int  # row of ``train_dataset``
     prompt_ids: tuple[int, ...]
     admitted_at_version: int
+    # a later turn of multi-turn episodes (tools): one full context per row (prompt + the episode's completion so
+    # far), for episodes ``rows`` of the group, at most ``max_new_tokens`` new tokens each (what is left of
+    # max_completion_length). Empty: the first turn, ``num_generations`` rows of ``prompt_ids``.
+    contexts: tuple[tuple[int, ...], ...] = ()
+    rows: tuple[int, ...] = ()
+    max_new_tokens: int = 0  # 0: the generation config's
+
+    @property
+    def key(self) -> tuple[int, tuple[int, ...]]:
+        """Identifies the task among those outstanding (a group may have several later turns in flight)."""
+        return self.group_id, self.rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +52,20 @@ class RolloutGroup:
     worker_id: int
     generate_s: float  # wall time of the generate call that produced this group (shared by its batch)
     generate_started_at: float = 0.0  # time.time() when that call started (comparable across processes)
+    rows: tuple[int, ...] = ()  # a later turn: the episodes these completions continue (RolloutTask.rows)
+    # multi-turn episodes, assembled by the trainer process (episodes.py); empty for single-turn groups.
+    # ``tool_mask[i][t]`` is 1 for a sampled token, 0 for a tool-result token (no mu: its logprob is a 0.0
+    # placeholder and its version that of the model token before it); ``completions`` are the parsed messages
+    # reward functions receive; ``turns`` the per-turn record (version, tool calls, results) for trajectories.
+    tool_mask: tuple[tuple[int, ...], ...] = ()
+    completions: tuple = ()
+    tool_calls: int = 0
+    tool_failures: int = 0
+    turns: tuple = ()
+
+    @property
+    def key(self) -> tuple[int, tuple[int, ...]]:
+        return self.group_id, self.rows
 
     @property
     def num_tokens(self) -> int:

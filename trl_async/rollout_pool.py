@@ -32,6 +32,7 @@ from .weights import Digest
 from .worker_process import ProcessBackend
 
 if TYPE_CHECKING:
+    from .episodes import EpisodeRunner
     from .vllm_backend import VLLMBackend
 
 logger = logging.get_logger(__name__)
@@ -63,6 +64,7 @@ class PoolSettings:
     max_restarts: int = 3  # per worker: a lost worker is restarted this many times, then the pool fails
     heartbeat_timeout_s: float = 10.0  # a worker silent this long is hung: killed, then restarted or reported
     scoring_threads: int = 1  # groups scored at once (each on its own thread), off the collector thread
+    num_generations: int = 1  # rows per group (a later turn of one episode is one row)
 
 
 @dataclass
@@ -84,7 +86,10 @@ class RolloutPool:
         prompts: PromptStream,
         tokenize_row: Callable[[int], tuple[int, ...]],
         score_group: Callable[[RolloutGroup], ScoredGroup],
+        episodes: Callable[..., EpisodeRunner] | None = None,
     ) -> None:
+        """``episodes`` (multi-turn rollouts with tools): builds the ``EpisodeRunner`` that turns each group's first
+        turn into whole episodes, given ``submit_turn``, ``finished`` and ``fail`` callbacks."""
         self.settings = settings
         self._prompts = prompts
         self._tokenize_row = tokenize_row
@@ -116,6 +121,10 @@ class RolloutPool:
         self._last_call: dict[int, float] = {}
 
         self._to_score: queue.SimpleQueue[RolloutGroup] = queue.SimpleQueue()
+        self._later_turns: deque[RolloutTask] = deque()  # turns of episodes under way: dispatched before new groups
+        self._episodes = None if episodes is None else episodes(
+            submit_turn=self._submit_turn, finished=self._to_score.put, fail=self._fail
+        )  # fmt: skip
 
         self._workers = [backend.start_lane(i) for i in range(len(backend.specs))]
         self._threads = [
@@ -212,6 +221,8 @@ class RolloutPool:
             self._cv.notify_all()
         for t in self._threads:  # the collector stops reading; workers blocked on a full pipe are killed below
             t.join(5)
+        if self._episodes is not None:
+            self._episodes.close()
         deadline = time.monotonic() + timeout_s
         for w in self._workers:
             w.stop(max(0.0, deadline - time.monotonic()))
@@ -277,11 +288,14 @@ class RolloutPool:
         would start a generate call per group, several times slower per group on CPU). A lane holds at most its
         ``max_outstanding`` groups (a worker process: two chunks, the one it generates and the next; a vLLM server:
         the queue size), so each lane's outstanding groups are known exactly."""
-        per_call = self.settings.groups_per_call
+        per_call, rows_per_group = self.settings.groups_per_call, self.settings.num_generations
+
+        def load(w) -> float:  # in groups: a later turn of one episode is 1 / num_generations of a group
+            return sum(len(t.contexts) / rows_per_group if t.contexts else 1 for t in w.outstanding.values())
 
         def free_worker():
-            room = [w for w in self._workers if len(w.outstanding) + per_call <= w.max_outstanding]
-            return min(room, key=lambda w: len(w.outstanding)) if room else None
+            room = [w for w in self._workers if load(w) + per_call <= w.max_outstanding]
+            return min(room, key=load) if room else None
 
         while True:
             with self._cv:
@@ -289,12 +303,22 @@ class RolloutPool:
                     lambda: (
                         self._stop
                         or self._error
-                        or (self._admitted < self._admission_limit() and free_worker() is not None)
+                        or (
+                            (self._later_turns or self._admitted < self._admission_limit())
+                            and free_worker() is not None
+                        )
                     )
                 )
                 if self._stop or self._error:
                     return
                 worker = free_worker()
+                if self._later_turns:  # finish episodes under way first: up to one call's rows of later turns
+                    chunk, rows = [], 0
+                    while self._later_turns and rows + len(self._later_turns[0].contexts) <= per_call * rows_per_group:
+                        rows += len(self._later_turns[0].contexts)
+                        chunk.append(self._later_turns.popleft())
+                    self._send(worker, chunk)
+                    continue
                 n = min(per_call, self._admission_limit() - self._admitted)
                 self._admitted += n
                 version = self._published
@@ -304,10 +328,25 @@ class RolloutPool:
                     self._positions[self._next_group_id] = position
                     chunk.append(RolloutTask(self._next_group_id, index, self._tokenize_row(index), version))
                     self._next_group_id += 1
-                try:  # small messages, at most max_outstanding groups per lane: this never blocks
-                    worker.send(chunk)
-                except OSError:  # the worker is gone; the monitor regenerates what it held
-                    pass
+                self._send(worker, chunk)
+
+    @staticmethod
+    def _send(worker, chunk: list[RolloutTask]) -> None:
+        try:  # small messages, at most max_outstanding groups per lane: this never blocks
+            worker.send(chunk)
+        except OSError:  # the worker is gone; the monitor regenerates what it held
+            pass
+
+    def _submit_turn(self, task: RolloutTask) -> None:
+        """The ``EpisodeRunner`` asks for the next turn of an episode."""
+        with self._cv:
+            self._later_turns.append(task)
+            self._cv.notify_all()
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cv:
+            self._error = self._error or exc
+            self._cv.notify_all()
 
     def _collect_loop(self) -> None:
         """Receive worker messages, hand finished groups to the scoring threads, and watch the workers (exit,
@@ -356,13 +395,17 @@ class RolloutPool:
     def _handle(self, worker, msg) -> None:
         if isinstance(msg, RolloutGroup):
             with self._cv:
-                if worker.outstanding.pop(msg.group_id, None) is None:
+                task = worker.outstanding.pop(msg.key, None)
+                if task is None:
                     return  # not (or no longer) ours: already regenerated elsewhere
             if self._last_call.get(msg.worker_id) != msg.generate_started_at:  # one entry per call, not group
                 self._last_call[msg.worker_id] = msg.generate_started_at
                 end = msg.generate_started_at + msg.generate_s
                 self.activity.append(("generate", msg.worker_id, msg.generate_started_at, end))
-            self._to_score.put(msg)  # scored off this thread: a slow reward never delays health checks
+            if self._episodes is not None:  # a turn of multi-turn episodes: the runner decides what comes next
+                self._episodes.on_turn(msg, task.admitted_at_version)
+            else:
+                self._to_score.put(msg)  # scored off this thread: a slow reward never delays health checks
         elif isinstance(msg, WeightsAdopted):
             self._on_adopted(msg)
         elif isinstance(msg, WorkerFailed):
@@ -388,9 +431,13 @@ class RolloutPool:
         lost = self._workers[i]
         lost.kill()
         with self._cv:
-            for task in reversed(list(lost.outstanding.values())):
+            first_turns = [t for t in lost.outstanding.values() if not t.rows]
+            for task in reversed(first_turns):
                 self._prompts.push_front(self._positions.pop(task.group_id), task.prompt_index)
-            self._admitted -= len(lost.outstanding)
+            self._admitted -= len(first_turns)
+            # later turns of episodes under way: generated again from the same context (the episode keeps its tools'
+            # results), first in line
+            self._later_turns.extendleft(reversed([t for t in lost.outstanding.values() if t.rows]))
             regenerated = len(lost.outstanding)
             lost.outstanding.clear()
             what = f"{lost.describe()} {why}"

@@ -40,6 +40,7 @@ def build_tiny_model(
     num_heads: int = 4,
     seed: int = 0,
     tie_word_embeddings: bool = True,
+    max_position_embeddings: int = 256,
 ) -> Qwen2ForCausalLM:
     import torch
 
@@ -51,7 +52,7 @@ def build_tiny_model(
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_heads,
-        max_position_embeddings=256,
+        max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -71,3 +72,71 @@ def save_tiny_model(path: str | Path, chars: str = DEFAULT_CHARS, **model_kwargs
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+# ---- a tiny tool-calling model (multi-turn tests and the agentic benchmark) ----------------------------------------
+TOOL_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                       "<tool_response>", "</tool_response>", "<think>", "</think>", "<unk>"]  # fmt: skip
+
+
+def build_tool_tokenizer(corpus: list[str], vocab_size: int = 1000) -> PreTrainedTokenizerFast:
+    """A BPE tokenizer with Qwen3's chat template and special tokens, trained on ``corpus`` (rendered conversations):
+    TRL recognises the template (``add_response_schema``), so tool calls are parsed as they are for Qwen3, and the
+    long tool-schema boilerplate of the system prompt compresses into a few tokens. No pre-tokenizer: merges may
+    span spaces, and decoding is exact concatenation."""
+    from tokenizers import trainers
+    from trl.chat_template_utils import qwen3_chat_template
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.decoder = decoders.Fuse()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=TOOL_SPECIAL_TOKENS, initial_alphabet=list(string.printable),
+        show_progress=False,
+    )  # fmt: skip
+    backend.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<unk>",
+        additional_special_tokens=TOOL_SPECIAL_TOKENS[3:9], padding_side="left",
+    )  # fmt: skip
+    tokenizer.chat_template = qwen3_chat_template
+    return tokenizer
+
+
+def render_text(conversation: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
+    """``conversation`` rendered with TRL's training variant of the Qwen3 template (the one GRPOTrainer renders
+    tool-calling prompts with), as text."""
+    from trl.chat_template_utils import get_training_chat_template, qwen3_chat_template
+
+    renderer = build_char_tokenizer()
+    renderer.chat_template = qwen3_chat_template
+    template = get_training_chat_template(renderer) or qwen3_chat_template
+    return renderer.apply_chat_template(conversation, tools=tools, chat_template=template, tokenize=False,
+                                        add_generation_prompt=add_generation_prompt)  # fmt: skip
+
+
+def fit_sequences(model, sequences: list[tuple[list[int], list[int]]], steps: int = 300, lr: float = 3e-3,
+                  seed: int = 0) -> float:  # fmt: skip
+    """Teach ``model`` to continue each ``(context, target)`` with ``target`` (cross-entropy on the target tokens
+    only; full batch, Adam). Returns the final loss. A few hundred steps make a tiny model's greedy output the
+    targets, so tests can drive real tool calls through real worker processes."""
+    import torch
+
+    torch.manual_seed(seed)
+    width = max(len(c) + len(t) for c, t in sequences)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    labels = torch.full((len(sequences), width), -100, dtype=torch.long)
+    mask = torch.zeros(len(sequences), width, dtype=torch.long)
+    for i, (context, target) in enumerate(sequences):
+        row = context + target
+        ids[i, : len(row)] = torch.tensor(row)
+        labels[i, len(context) : len(row)] = torch.tensor(target)
+        mask[i, : len(row)] = 1
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    return float(loss)

@@ -31,12 +31,14 @@ from trl.models.utils import disable_gradient_checkpointing
 
 from .config import async_fields_of
 from .correction import off_policy_correction
+from .episodes import EpisodeRunner
 from .progress import AsyncProgressCallback
 from .prompts import PromptStream
 from .records import RolloutGroup
 from .rollout_pool import PoolSettings, RolloutPool, ScoredGroup
 from .scoring import RewardScorer, decode_completions, unsharded_reward_models
 from .setup_checks import check_lora_on_tied_embeddings, check_vocabulary, unsupported_setup
+from .tool_calls import ToolRunner, split_tools
 from .trajectories import append_jsonl, trajectory_records
 from .weight_sync import iter_policy_buckets, policy_specs
 from .worker import WorkerSpec
@@ -92,7 +94,6 @@ class AsyncGRPOTrainer(GRPOTrainer):
         environment_factory=None,
     ):
         for name, value in (
-            ("tools", tools),
             ("rollout_func", rollout_func),
             ("environment_factory", environment_factory),
         ):
@@ -132,6 +133,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             optimizers=optimizers,
             quantization_config=quantization_config,
             peft_config=peft_config,
+            tools=tools,
         )
         self.async_args = async_fields_of(self.args)
         self._check_async_supported()
@@ -157,6 +159,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         )
         self._pool: RolloutPool | None = None  # main process only
         self._scorers: list[RewardScorer] = []  # one per scoring thread of the pool, main process only
+        self._tool_runner: ToolRunner | None = None  # with tools, main process only
         self._pool_started = False
         self.last_rollout_pool: RolloutPool | None = None
         self._consuming: list[tuple[ScoredGroup, int]] | None = None  # (group, completion index) per local row
@@ -170,6 +173,11 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def _check_async_supported(self) -> None:
         if self._is_vlm:
             raise NotImplementedError("AsyncGRPOTrainer does not support vision-language models (image inputs) yet.")
+        if self.tools and self.async_args.rollout_backend == "vllm":
+            raise NotImplementedError(
+                "AsyncGRPOTrainer runs `tools` with its transformers rollout workers only for now "
+                "(rollout_backend='transformers'); the vLLM backend does not continue multi-turn episodes yet."
+            )
         per_batch = self.args.steps_per_generation * self.num_iterations
         if per_batch % self.args.gradient_accumulation_steps != 0:
             raise ValueError(
@@ -214,6 +222,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
             pool, self._pool = self._pool, None
             self.last_rollout_pool = pool
             pool.close()
+        if self._tool_runner is not None:  # after the pool: its episode runner has stopped
+            self._tool_runner.close()
+            self._tool_runner = None
         for scorer in self._scorers:  # after the pool: its scoring threads have stopped
             scorer.close()
         self._scorers = []
@@ -234,6 +245,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             queue_size=self._queue_size,
             timeout_s=a.rollout_timeout_s,
             start_version=start_version,
+            num_generations=self.num_generations,
             verify_weights=a.rollout_verify_weights,
             groups_per_call=self._rollout_batch_groups,
             max_restarts=a.rollout_max_restarts,
@@ -241,6 +253,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             scoring_threads=a.rollout_scoring_threads,
         )
         saved = self.state.stateful_callbacks.get(PromptProgress.__name__) if start_version else None
+        episodes = self._episode_runner_factory() if self.tools else None
         prompts = PromptStream(
             len(self.train_dataset),
             self._groups_per_batch,
@@ -250,7 +263,22 @@ class AsyncGRPOTrainer(GRPOTrainer):
             progress=saved["args"] if isinstance(saved, dict) else None,
         )
         backend = self._vllm_backend(model) if a.rollout_backend == "vllm" else self._process_backend(model)
-        return RolloutPool(backend, settings, prompts, self._make_tokenize_row(), self._make_score_group())
+        return RolloutPool(backend, settings, prompts, self._make_tokenize_row(), self._make_score_group(), episodes)
+
+    def _episode_runner_factory(self):
+        """Multi-turn episodes with ``tools`` (episodes.py): parsed and rendered with GRPOTrainer's own response
+        parser, chat template and tool-suffix rendering, on copies made here (the runner's thread owns them)."""
+        a = self.async_args
+        self._tool_runner = ToolRunner(a.rollout_tool_threads, a.rollout_tool_timeout_s, getattr(self, "async_loop", None))
+        config = self.accelerator.unwrap_model(self.model).config
+        kwargs = dict(
+            tokenizer=copy.deepcopy(self._tokenizer), chat_template=self.chat_template,
+            chat_template_kwargs=dict(self.chat_template_kwargs), tools=list(self.tools),
+            max_rounds=self.max_tool_calling_iterations, max_completion_length=self.max_completion_length,
+            max_model_len=getattr(config, "max_position_embeddings", None), tool_runner=self._tool_runner,
+            tool_dicts=split_tools(self.tools),
+        )  # fmt: skip
+        return lambda **callbacks: EpisodeRunner(**kwargs, **callbacks)
 
     def _process_backend(self, model) -> ProcessBackend:
         args, a = self.args, self.async_args
@@ -395,6 +423,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def _make_tokenize_row(self):
         tokenizer = copy.deepcopy(self.processing_class)
         dataset, chat_template, template_kwargs = self.train_dataset, self.chat_template, self.chat_template_kwargs
+        tools = list(self.tools or []) or None  # as GRPOTrainer._tokenize_prompts renders them
         config = self.accelerator.unwrap_model(self.model).config
         limit = getattr(config, "max_position_embeddings", None)
         vocab = getattr(config, "vocab_size", None)
@@ -424,6 +453,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             if is_conversational({"prompt": prompt}):
                 out = tokenizer.apply_chat_template(
                     conversation=[prompt],
+                    tools=tools,
                     chat_template=chat_template,
                     add_generation_prompt=True,
                     tokenize=True,
@@ -463,7 +493,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
             row = dataset[group.prompt_index]
             conversational = is_conversational({"prompt": row["prompt"]})
             prompt_ids = [group.prompt_ids] * group_size
-            completions = decode_completions(tokenizer, prompt_ids, group.completion_ids, conversational)
+            if group.completions:  # multi-turn: the parsed messages of each episode, as GRPOTrainer's loop builds them
+                completions = [list(c) for c in group.completions]
+            else:
+                completions = decode_completions(tokenizer, prompt_ids, group.completion_ids, conversational)
             rewards, extra_logs, metrics = scorer.score([row] * group_size, completions, list(group.completion_ids))
             return ScoredGroup(group, 0, rewards, extra_logs, metrics)
 
@@ -529,7 +562,24 @@ class AsyncGRPOTrainer(GRPOTrainer):
             )
         completion_ids = [list(g.group.completion_ids[j]) for g, j in self._consuming]
         logprobs = [list(g.group.logprobs[j]) for g, j in self._consuming]
-        return completion_ids, logprobs
+        return completion_ids, logprobs  # with tools, whole episodes: _tool_call_loop below returns them as they are
+
+    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
+        if self._consuming is None:  # evaluation: GRPOTrainer's own loop
+            return super()._tool_call_loop(
+                prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
+            )
+        # the episodes already ran in the background (episodes.py): hand GRPOTrainer what its loop would return
+        rows = [(g.group, j) for g, j in self._consuming]
+        return (
+            [list(group.tool_mask[j]) for group, j in rows],
+            [list(group.completions[j]) for group, j in rows],
+            [list(group.completion_ids[j]) for group, j in rows],
+            [list(group.logprobs[j]) for group, j in rows],
+            sum(group.tool_calls[j] for group, j in rows),
+            sum(group.tool_failures[j] for group, j in rows),
+            [[] for _ in rows],
+        )
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         if self._consuming is None:
@@ -580,6 +630,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if a.off_policy_correction == "none" and not a.off_policy_bypass:
             return
         mask, behaviour = output["completion_mask"], output["sampling_per_token_logps"]
+        if output.get("tool_mask") is not None:  # tool-result tokens were not sampled: no mu, no weight
+            mask = mask * output["tool_mask"]
         if a.off_policy_bypass:
             # pi_prox := mu; a token without mu (NaN) has no ratio at all, so it leaves the loss through GRPOTrainer's
             # loss-only mask (`tool_mask`; the completion mask is also the attention mask, which must keep it); the
@@ -647,8 +699,11 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 del self._get_per_token_logps_and_entropies  # back to the method for any later call
                 result = policy_forward(*args, **kwargs)
                 prox = result[0].detach()
+                mask = inputs["completion_mask"]
+                if "tool_mask" in inputs:
+                    mask = mask * inputs["tool_mask"]
                 inputs["importance_sampling_ratio"] = self._staleness_weights(
-                    prox, inputs["sampling_per_token_logps"], inputs["completion_mask"]
+                    prox, inputs["sampling_per_token_logps"], mask
                 )
                 return result
 

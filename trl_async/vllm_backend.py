@@ -56,7 +56,7 @@ class VLLMLane:
     spec: VLLMLaneSpec
     max_outstanding: int
     restarts: int = 0
-    outstanding: dict[int, RolloutTask] = field(default_factory=dict)
+    outstanding: dict[tuple, RolloutTask] = field(default_factory=dict)  # task key -> task
 
     def __post_init__(self) -> None:
         self.server = VLLMServer(self.spec.url, self.spec.request_timeout_s, self.spec.retry_s)
@@ -79,7 +79,7 @@ class VLLMLane:
     # ---- the pool's view (same as WorkerProcess) ---------------------------------------------------------------
     def send(self, chunk: list[RolloutTask]) -> None:
         for task in chunk:
-            self.outstanding[task.group_id] = task
+            self.outstanding[task.key] = task
             self._tasks.put(task)
 
     def is_alive(self) -> bool:

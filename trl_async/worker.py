@@ -108,7 +108,8 @@ def generate_groups(
     between_steps: Callable[[], None] | None = None,
     worker_id: int = 0,
 ) -> list[RolloutGroup]:
-    """Generate ``num_generations`` completions for each task in one ``generate`` call.
+    """Generate ``num_generations`` completions for each task in one ``generate`` call (or, for a later turn of
+    multi-turn episodes, one completion per context of the task, at most its ``max_new_tokens``).
 
     Completions are cut after their first EOS (kept), as GRPOTrainer does. ``logprobs`` are behaviour log-probs (mu)
     taken from the final processed scores, i.e. from the distribution the token was sampled from, one decode step at
@@ -117,7 +118,10 @@ def generate_groups(
     from transformers import LogitsProcessorList
 
     device = next(model.parameters()).device
-    rows = [list(task.prompt_ids) for task in tasks for _ in range(num_generations)]
+    per_task = [[list(c) for c in task.contexts] or [list(task.prompt_ids)] * num_generations for task in tasks]
+    rows = [r for task_rows in per_task for r in task_rows]
+    budgets = [task.max_new_tokens or generation_config.max_new_tokens for task in tasks]
+    row_budget = [b for b, task_rows in zip(budgets, per_task, strict=True) for _ in task_rows]
     width = max(len(r) for r in rows)
     input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -127,6 +131,8 @@ def generate_groups(
 
     config, warpers = split_sampling_warpers(model, generation_config)
     config = copy.deepcopy(config)
+    if all(b is not None for b in budgets):
+        config.max_new_tokens = max(budgets)  # each row is cut to its own budget below
     config.output_scores = False  # full-vocabulary scores per step: T x N x V floats (GBs at a 152k vocabulary)
     config.return_dict_in_generate = False
     hook = _DecodeStepHook(warpers, current_version, between_steps)
@@ -154,13 +160,16 @@ def generate_groups(
         toks = tokens_NT[i].tolist()
         is_eos = torch.isin(tokens_NT[i], eos).nonzero()
         length = int(is_eos[0]) + 1 if len(is_eos) else len(toks)
+        if row_budget[i] is not None:
+            length = min(length, row_budget[i])
         completions.append(tuple(toks[:length]))
         logps.append(tuple(logprobs_NT[i, :length].tolist()))
         versions.append(tuple(hook.step_versions[:length]))
 
-    groups = []
-    for g, task in enumerate(tasks):
-        span = slice(g * num_generations, (g + 1) * num_generations)
+    groups, start = [], 0
+    for task, task_rows in zip(tasks, per_task, strict=True):
+        span = slice(start, start + len(task_rows))
+        start += len(task_rows)
         groups.append(
             RolloutGroup(
                 group_id=task.group_id,
@@ -172,6 +181,7 @@ def generate_groups(
                 worker_id=worker_id,
                 generate_s=elapsed,
                 generate_started_at=started_at,
+                rows=task.rows,
             )
         )
     return groups

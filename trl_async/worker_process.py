@@ -59,7 +59,7 @@ class WorkerProcess:
     results: object  # Connection: worker -> trainer
     heartbeat: object  # shared double, time.time() of the worker's last beat
     restarts: int = 0
-    outstanding: dict[int, RolloutTask] = field(default_factory=dict)  # group id -> task, in dispatch order
+    outstanding: dict[tuple, RolloutTask] = field(default_factory=dict)  # task key -> task, in dispatch order
     max_outstanding: int = 2
 
     @classmethod
@@ -102,7 +102,7 @@ class WorkerProcess:
 
     def send(self, chunk: list[RolloutTask]) -> None:
         for task in chunk:
-            self.outstanding[task.group_id] = task
+            self.outstanding[task.key] = task
         self.tasks.send(chunk)
 
     def stop(self, timeout_s: float) -> None:

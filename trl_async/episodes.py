@@ -1,0 +1,205 @@
+"""Multi-turn episodes with tool calls: a turn is a unit of generation, an episode a unit of scheduling.
+
+GRPOTrainer 1.16 calls tools in lock-step over its batch (``_tool_call_loop``): every rollout's turn is generated,
+then every tool call runs, then the next turns are generated together, so the batch waits for its slowest tool and
+its longest episode. Here each episode advances on its own: when a rollout worker returns a turn, the
+``EpisodeRunner`` parses it (TRL's ``parse_response``, with the tools the prompt was rendered with), hands its tool
+calls to the ``ToolRunner`` and, when they return, asks for the next turn, while the workers generate other
+episodes. A group goes on to scoring when all ``num_generations`` of its episodes have ended.
+
+The tokens are the ones GRPOTrainer builds: the completion is turn 1 + tool suffix + turn 2 + ... where the suffix is
+GRPOTrainer's own ``_get_tool_suffix_ids`` rendering of the tool messages (tool turn and the next generation prompt);
+suffix tokens get ``tool_mask`` 0 and a 0.0 log-prob placeholder; ``max_completion_length`` bounds the whole
+completion (a later turn gets what is left; tool results that would overflow it, or reach the model's
+``max_position_embeddings``, are rolled back and the episode ends on the turn that called them);
+``max_tool_calling_iterations`` bounds the rounds of tool calls. Every sampled token keeps the version of the weights
+that produced it, so one episode may span several versions; a suffix token carries the version of the sampled token
+before it, so an episode's staleness is that of its oldest sampled token.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
+
+from trl import GRPOTrainer
+from trl.chat_template_utils import parse_response
+
+from .records import RolloutGroup, RolloutTask
+from .tool_calls import ToolResults, ToolRunner
+
+
+@dataclass
+class Episode:
+    """One rollout of a group, turn by turn."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    tool_mask: list[int] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)  # the parsed completion, as reward functions receive it
+    tool_calls: int = 0
+    tool_failures: int = 0
+    rounds: int = 0  # rounds of tool calls executed
+    turns: list[dict] = field(default_factory=list)
+    done: bool = False
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt_ids + self.completion_ids
+
+    def add_turn(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int], parsed: dict,
+                 worker_id: int) -> None:  # fmt: skip
+        """Append a sampled turn (already within the budget) and its parsed message (``{}``: nothing to add)."""
+        self.completion_ids += ids
+        self.logprobs += logprobs
+        self.versions += versions
+        self.tool_mask += [1] * len(ids)
+        if parsed:
+            self.messages.append(parsed)
+        self.turns.append({"versions": sorted(set(versions)), "tokens": len(ids), "worker_id": worker_id})
+
+    def pending_calls(self, parsed: dict, max_rounds: int) -> list[dict]:
+        """The tool calls the last turn asks for, if another round is allowed."""
+        calls = parsed.get("tool_calls") if parsed else None
+        return list(calls) if calls and self.rounds < max_rounds else []
+
+    def add_tool_results(self, results: ToolResults, suffix_ids: Sequence[int], max_completion_length: int,
+                         max_model_len: int | None) -> bool:  # fmt: skip
+        """Append the tool messages and their suffix tokens; ``False`` (rolled back, nothing appended) when they
+        would overflow ``max_completion_length`` or reach ``max_model_len``, as GRPOTrainer does."""
+        self.tool_calls += results.calls
+        self.tool_failures += results.failures
+        self.rounds += 1
+        self.turns[-1]["tool_calls"] = results.records
+        length = len(self.prompt_ids) + len(self.completion_ids) + len(suffix_ids)
+        if length - len(self.prompt_ids) > max_completion_length or (max_model_len and length >= max_model_len):
+            self.turns[-1]["rolled_back"] = True
+            return False
+        self.messages += results.messages
+        self.completion_ids += suffix_ids
+        self.logprobs += [0.0] * len(suffix_ids)
+        self.versions += [self.versions[-1]] * len(suffix_ids)
+        self.tool_mask += [0] * len(suffix_ids)
+        return True
+
+
+@dataclass
+class _Group:
+    first: RolloutGroup  # the first turn, as a worker returned it
+    admitted_at_version: int
+    episodes: list[Episode]
+
+    def record(self) -> RolloutGroup:
+        eps = self.episodes
+        return replace(
+            self.first,
+            completion_ids=tuple(tuple(e.completion_ids) for e in eps),
+            logprobs=tuple(tuple(e.logprobs) for e in eps),
+            versions=tuple(tuple(e.versions) for e in eps),
+            tool_mask=tuple(tuple(e.tool_mask) for e in eps),
+            completions=tuple(list(e.messages) for e in eps),
+            tool_calls=tuple(e.tool_calls for e in eps),
+            tool_failures=tuple(e.tool_failures for e in eps),
+            turns=tuple(tuple(e.turns) for e in eps),
+        )
+
+
+class EpisodeRunner:
+    """Advances the episodes of every admitted group on one thread (it owns its tokenizer copy). Turns arrive with
+    ``on_turn`` (the pool's collector thread), tool results from the ``ToolRunner``'s threads; the runner asks for
+    later turns with ``submit_turn``, hands finished groups to ``finished`` and reports its own errors to ``fail``."""
+
+    def __init__(self, *, tokenizer, chat_template: str | None, chat_template_kwargs: dict, tools: list,
+                 max_rounds: int, max_completion_length: int, max_model_len: int | None, tool_runner: ToolRunner,
+                 tool_dicts: tuple[dict, dict], submit_turn: Callable[[RolloutTask], None],
+                 finished: Callable[[RolloutGroup], None], fail: Callable[[BaseException], None]) -> None:  # fmt: skip
+        self.tokenizer = tokenizer
+        self.tools = tools
+        self.max_rounds = max_rounds
+        self.max_completion_length = max_completion_length
+        self.max_model_len = max_model_len
+        self.tool_runner = tool_runner
+        self.tool_dicts = tool_dicts
+        self.submit_turn, self.finished, self.fail = submit_turn, finished, fail
+        # GRPOTrainer's own suffix rendering, on our tokenizer copy (it reads only these attributes)
+        self._suffix_owner = SimpleNamespace(
+            _is_vlm=False, processing_class=tokenizer, _tokenizer=tokenizer, chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+        )  # fmt: skip
+        self._groups: dict[int, _Group] = {}
+        self._events: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name="trl_async-episodes", daemon=True)
+        self._thread.start()
+
+    def on_turn(self, turn: RolloutGroup, admitted_at_version: int) -> None:
+        self._events.put(("turn", turn, admitted_at_version))
+
+    def in_progress(self) -> int:
+        return len(self._groups)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._events.put(None)
+        self._thread.join(timeout_s)
+
+    def _serve(self) -> None:
+        while True:
+            event = self._events.get()
+            if event is None:
+                return
+            try:
+                if event[0] == "turn":
+                    self._on_turn(event[1], event[2])
+                else:
+                    self._on_tools(*event[1:])
+            except BaseException as exc:  # noqa: BLE001 - the pool fails and the trainer raises it
+                self.fail(exc)
+                return
+
+    def _on_turn(self, turn: RolloutGroup, admitted_at_version: int) -> None:
+        if not turn.rows:  # a first turn: the group's episodes start
+            group = _Group(turn, admitted_at_version, [Episode(list(turn.prompt_ids)) for _ in turn.completion_ids])
+            self._groups[turn.group_id] = group
+            rows = range(len(turn.completion_ids))
+        else:
+            group, rows = self._groups[turn.group_id], turn.rows
+        for row, ids, logprobs, versions in zip(rows, turn.completion_ids, turn.logprobs, turn.versions, strict=True):
+            episode = group.episodes[row]
+            first = not episode.turns
+            parsed = parse_response(self.tokenizer, list(ids), prefix=episode.context, tools=self.tools) if (
+                ids or first) else {}  # fmt: skip
+            episode.add_turn(ids, logprobs, versions, parsed, turn.worker_id)
+            calls = episode.pending_calls(parsed, self.max_rounds)
+            if calls:
+                self.tool_runner.submit(calls, self.tool_dicts,
+                                        lambda result, g=turn.group_id, r=row: self._events.put(("tools", g, r, result)))  # fmt: skip
+            else:
+                self._end(turn.group_id, episode)
+
+    def _on_tools(self, group_id: int, row: int, result: ToolResults | BaseException) -> None:
+        if isinstance(result, BaseException):
+            raise result
+        group = self._groups[group_id]
+        episode = group.episodes[row]
+        suffix = GRPOTrainer._get_tool_suffix_ids(self._suffix_owner, result.messages)
+        if not episode.add_tool_results(result, suffix, self.max_completion_length, self.max_model_len):
+            self._end(group_id, episode)
+            return
+        left = self.max_completion_length - len(episode.completion_ids)
+        if left <= 0:  # the suffix filled the budget exactly: nothing more can be sampled
+            self._end(group_id, episode)
+            return
+        first = group.first
+        self.submit_turn(RolloutTask(group_id, first.prompt_index, first.prompt_ids, group.admitted_at_version,
+                                     contexts=(tuple(episode.context),), rows=(row,), max_new_tokens=left))  # fmt: skip
+
+    def _end(self, group_id: int, episode: Episode) -> None:
+        episode.done = True
+        group = self._groups[group_id]
+        if all(e.done for e in group.episodes):
+            del self._groups[group_id]
+            self.finished(group.record())
