@@ -99,3 +99,222 @@ def test_trl_tool_scenarios_give_grpo_trainers_metrics_and_messages(tmp_path, to
     assert ours["Say hello."] == [{"role": "assistant", "content": FIRST_TURNS["Say hello."]}]
     assert no_rollout_children()
 
+
+
+class _KeepLoopOutputs:
+    """Mixin: keep what `_tool_call_loop` returned (per rollout: tool mask, messages, completion ids)."""
+
+    def _tool_call_loop(self, *args, **kwargs):
+        keys = [prompt[-1]["content"] for prompt in args[0]]  # GRPOTrainer's loop appends to the prompts
+        out = super()._tool_call_loop(*args, **kwargs)
+        self.loop_outputs = getattr(self, "loop_outputs", [])
+        for key, mask, ids in zip(keys, out[0], out[2], strict=True):
+            self.loop_outputs.append((key, list(ids), list(mask)))
+        return out
+
+
+class KeepingGRPOTrainer(_KeepLoopOutputs, GRPOTrainer):
+    pass
+
+
+class KeepingAsyncGRPOTrainer(_KeepLoopOutputs, AsyncGRPOTrainer):
+    pass
+
+
+def test_episode_tokens_and_tool_mask_equal_grpo_trainers(tmp_path, tool_model_dir):
+    """prompt + turn + tool suffix + turn, token for token, with the suffix masked, as GRPOTrainer's loop builds them;
+    also an unknown tool (a failed call) and a malformed call (no call: the episode ends)."""
+    prompts = ["What is 3 times 4?", "What is 8 over 2?", "What is 7 times 7?", "Say hello."]
+    settings = {**TOOL_SETTINGS, "per_device_train_batch_size": 8, "max_steps": 1}
+    tokenizer = tokenizer_of(tool_model_dir)
+    sync = KeepingGRPOTrainer(model=tool_model_dir, reward_funcs=Recorder(), processing_class=tokenizer,
+                              args=GRPOConfig(output_dir=str(tmp_path / "sync"), **settings),
+                              train_dataset=dataset(prompts), tools=[multiply])  # fmt: skip
+    sync.train()
+    ours = KeepingAsyncGRPOTrainer(model=tool_model_dir, reward_funcs=Recorder(), processing_class=tokenizer,
+                                   args=async_args(tmp_path / "async", **settings, max_staleness=0),
+                                   train_dataset=dataset(prompts), tools=[multiply])  # fmt: skip
+    ours.train()
+    theirs = {p: (ids, mask) for p, ids, mask in sync.loop_outputs}
+    mine = {p: (ids, mask) for p, ids, mask in ours.loop_outputs}
+    assert set(mine) == set(prompts) and mine == theirs
+    # the suffix is exactly the masked span, and it holds the tool's result
+    ids, mask = mine["What is 3 times 4?"]
+    suffix = [t for t, m in zip(ids, mask, strict=True) if m == 0]
+    assert 0 < len(suffix) < len(ids) and "<tool_response>\n12\n</tool_response>" in tokenizer.decode(suffix)
+    assert tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m == 1]).endswith(AFTER_TOOL + "<|im_end|>")
+    assert "Tool divide not found." in tokenizer.decode(mine["What is 8 over 2?"][0])
+    assert all(m == 1 for m in mine["What is 7 times 7?"][1])  # malformed: no call, nothing appended
+    # 4 calls in 8 rollouts (multiply twice, divide twice), the 2 divide calls failed
+    assert tool_metrics(ours) == tool_metrics(sync) == [(0.5, 0.5)]
+
+
+def test_episodes_wait_for_tools_concurrently(tmp_path, tool_model_dir):
+    """While one episode waits for its tool, others run theirs: the calls' time spans overlap."""
+    spans, lock = [], threading.Lock()
+
+    def multiply(a: int, b: int) -> int:
+        """
+        Multiplies two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+
+        Returns:
+            The product of the two integers.
+        """
+        start = time.time()
+        time.sleep(0.4)
+        with lock:
+            spans.append((start, time.time()))
+        return a * b
+
+    trainer = AsyncGRPOTrainer(model=tool_model_dir, reward_funcs=Recorder(), processing_class=tokenizer_of(tool_model_dir),
+                               args=async_args(tmp_path, **TOOL_SETTINGS, rollout_tool_threads=4),
+                               train_dataset=dataset(["What is 3 times 4?", "Say hello.", "What is 5 times 6?"]),
+                               tools=[multiply])  # fmt: skip
+    trainer.train()
+    spans.sort()
+    overlapping = sum(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:]))
+    assert len(spans) >= 4 and overlapping >= 1, spans
+
+
+def test_a_hanging_tool_times_out_as_a_failed_call_and_training_goes_on(tmp_path, tool_model_dir):
+    release = threading.Event()
+
+    def multiply(a: int, b: int) -> int:
+        """
+        Multiplies two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+
+        Returns:
+            The product of the two integers.
+        """
+        release.wait(60)  # hangs (until the test ends)
+        return a * b
+
+    recorder = Recorder()
+    trainer = AsyncGRPOTrainer(model=tool_model_dir, reward_funcs=recorder, processing_class=tokenizer_of(tool_model_dir),
+                               # room for the error message (a longer tool result would be rolled back, as GRPOTrainer does)
+                               args=async_args(tmp_path, **{**TOOL_SETTINGS, "max_completion_length": 128},
+                                               rollout_tool_timeout_s=0.5, max_staleness=0),
+                               train_dataset=dataset(["What is 3 times 4?", "Say hello.", "What is 8 over 2?"]),
+                               tools=[multiply])  # fmt: skip
+    try:
+        trainer.train()
+    finally:
+        release.set()
+    assert trainer.state.global_step == TOOL_SETTINGS["max_steps"]
+    results = [m["content"] for _, cs in recorder.seen for c in cs for m in c if m["role"] == "tool"]
+    assert "{'error': 'tool multiply did not return within 0.5 s (rollout_tool_timeout_s)'}" in results
+    calls = sum(f for f, _ in tool_metrics(trainer))
+    assert calls > 0 and all(failure == 1.0 for _, failure in tool_metrics(trainer))  # every call failed
+    assert no_rollout_children()
+    assert not [t for t in threading.enumerate() if t.name.startswith(("trl_async-tools", "trl_async-episodes"))]
+
+
+def test_a_tool_result_that_would_overflow_is_rolled_back_as_grpo_trainer_does(tmp_path, tool_model_dir):
+    def multiply(a: int, b: int) -> int:
+        """
+        Multiplies two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+
+        Returns:
+            The product of the two integers.
+        """
+        return "9" * 200  # a result longer than what is left of max_completion_length
+
+    prompts = ["What is 3 times 4?", "Say hello."]
+    settings = {**TOOL_SETTINGS, "per_device_train_batch_size": 4, "max_steps": 1}
+    tokenizer = tokenizer_of(tool_model_dir)
+    sync = KeepingGRPOTrainer(model=tool_model_dir, reward_funcs=Recorder(), processing_class=tokenizer,
+                              args=GRPOConfig(output_dir=str(tmp_path / "sync"), **settings),
+                              train_dataset=dataset(prompts), tools=[multiply])  # fmt: skip
+    sync.train()
+    recorder = Recorder()
+    ours = KeepingAsyncGRPOTrainer(model=tool_model_dir, reward_funcs=recorder, processing_class=tokenizer,
+                                   args=async_args(tmp_path / "async", **settings, max_staleness=0),
+                                   train_dataset=dataset(prompts), tools=[multiply])  # fmt: skip
+    ours.train()
+    assert sorted(ours.loop_outputs) == sorted(sync.loop_outputs)
+    ids, mask = next((i, m) for p, i, m in ours.loop_outputs if p == "What is 3 times 4?")
+    assert all(mask) and tokenizer.decode(ids).endswith("</tool_call><|im_end|>")  # ends on the call, no result
+    messages = next(c for ps, cs in recorder.seen for p, c in zip(ps, cs, strict=True) if "3 times" in p[-1]["content"])
+    assert [m["role"] for m in messages] == ["assistant"]  # the rolled-back tool message is gone
+    assert tool_metrics(ours) == tool_metrics(sync) == [(0.5, 0.0)]  # the call still counts, as in GRPOTrainer
+
+
+class VersionedTrainer(AsyncGRPOTrainer):
+    """Keeps the weights of every published version and every consumed episode."""
+
+    def _publish_weights(self, version):
+        model = self.accelerator.unwrap_model(self.model)
+        self.snapshots = getattr(self, "snapshots", {})
+        self.snapshots[version] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return super()._publish_weights(version)
+
+    def _tool_call_loop(self, *args, **kwargs):
+        self.episodes = getattr(self, "episodes", [])
+        for g, j in self._consuming:
+            group = g.group
+            self.episodes.append((list(group.prompt_ids), list(group.completion_ids[j]), list(group.logprobs[j]),
+                                  list(group.versions[j]), list(group.tool_mask[j])))  # fmt: skip
+        return super()._tool_call_loop(*args, **kwargs)
+
+
+def test_an_episode_spanning_a_weight_sync_is_corrected_token_by_token(tmp_path, tool_model_dir):
+    """While an episode waits for its (slow) tool, the trainer trains on other groups and publishes new weights, so
+    the episode's next turn is sampled from a newer version. Every sampled token carries its own version, and its mu
+    equals a teacher-forced forward of the weights of that version; tool-result tokens are masked, with a 0.0
+    placeholder and the version of the token before them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    def multiply(a: int, b: int) -> int:
+        """
+        Multiplies two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+
+        Returns:
+            The product of the two integers.
+        """
+        time.sleep(1.5)
+        return a * b
+
+    temperature = 0.7
+    settings = {**TOOL_SETTINGS, "temperature": temperature, "learning_rate": 3e-3, "max_steps": 5}
+    trainer = VersionedTrainer(model=tool_model_dir, reward_funcs=Recorder(), processing_class=tokenizer_of(tool_model_dir),
+                               args=async_args(tmp_path, **settings, max_staleness=3),
+                               train_dataset=dataset(["What is 3 times 4?", "Say hello.", "What is 8 over 2?"]),
+                               tools=[multiply])  # fmt: skip
+    trainer.train()
+    spanning = [e for e in trainer.episodes if len({v for v, m in zip(e[3], e[4], strict=True) if m}) > 1]
+    assert spanning, [sorted(set(e[3])) for e in trainer.episodes]
+    model = AutoModelForCausalLM.from_pretrained(tool_model_dir).eval()
+    checked = 0
+    for prompt, completion, logprobs, versions, mask in trainer.episodes:
+        assert len(completion) == len(logprobs) == len(versions) == len(mask)
+        ids = torch.tensor([prompt + completion])
+        for t, masked in enumerate(mask):
+            if not masked:  # a tool-result token: no mu, the version of the sampled token before it
+                assert logprobs[t] == 0.0 and t > 0 and versions[t] == versions[t - 1]
+        for version in sorted(set(versions)):
+            model.load_state_dict(trainer.snapshots[version])
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1] / temperature
+            expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+            for t in range(len(completion)):
+                if mask[t] and versions[t] == version:
+                    assert abs(logprobs[t] - float(expected[t])) < 1e-4, (version, t)
+                    checked += 1
+    assert checked > 50
