@@ -288,14 +288,18 @@ def test_an_episode_spanning_a_weight_sync_is_corrected_token_by_token(tmp_path,
         Returns:
             The product of the two integers.
         """
-        time.sleep(1.5)
+        time.sleep(0.3)
         return a * b
 
     temperature = 0.7
-    settings = {**TOOL_SETTINGS, "temperature": temperature, "learning_rate": 3e-3, "max_steps": 5}
+    settings = {**TOOL_SETTINGS, "temperature": temperature, "learning_rate": 3e-3, "max_steps": 5,
+                "per_device_train_batch_size": 4}  # fmt: skip
     trainer = VersionedTrainer(model=tool_model_dir, reward_funcs=Recorder(), processing_class=tokenizer_of(tool_model_dir),
-                               args=async_args(tmp_path, **settings, max_staleness=3),
-                               train_dataset=dataset(["What is 3 times 4?", "Say hello.", "What is 8 over 2?"]),
+                               # staleness room for episodes that wait for their tool while several steps train
+                               args=async_args(tmp_path, **settings, max_staleness=8,
+                                               rollout_trajectory_file="trajectories.jsonl"),
+                               # only tool-calling prompts: the fast (failing) calls cannot fill every batch
+                               train_dataset=dataset(["What is 3 times 4?", "What is 8 over 2?"]),
                                tools=[multiply])  # fmt: skip
     trainer.train()
     spanning = [e for e in trainer.episodes if len({v for v, m in zip(e[3], e[4], strict=True) if m}) > 1]
@@ -318,3 +322,14 @@ def test_an_episode_spanning_a_weight_sync_is_corrected_token_by_token(tmp_path,
                     assert abs(logprobs[t] - float(expected[t])) < 1e-4, (version, t)
                     checked += 1
     assert checked > 50
+    # the audit trail records each turn: its versions, and the tool calls with their results
+    import json
+
+    records = [json.loads(line) for line in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
+    called = [r for r in records if "3 times 4" in r["prompt"][-1]["content"] and len(r["turns"]) == 2]
+    assert called and all(sum(r["tool_mask"]) < len(r["tool_mask"]) for r in called)
+    for r in called:
+        assert r["turns"][0]["tool_calls"] == [{"name": "multiply", "arguments": {"a": 3, "b": 4}, "result": "12",
+                                                "failed": False}]  # fmt: skip
+        assert sorted({v for t in r["turns"] for v in t["versions"]}) == sorted(set(r["versions"]))
+    assert any(r["turns"][0]["versions"] != r["turns"][1]["versions"] for r in called)

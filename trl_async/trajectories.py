@@ -5,7 +5,10 @@ or messages), ``completion`` (decoded text), ``rewards`` (every reward function'
 ``advantage``, ``staleness``, ``versions`` (the policy version of each completion token), and the token ids with the
 behaviour log-probs, enough to recompute every importance weight: ``prompt_ids``, ``completion_ids`` and ``logprobs``
 (mu of each completion token under the distribution it was sampled from; ``null`` where the backend gave none).
-Generated text is written as data only; nothing here interprets it.
+Multi-turn episodes (``tools``) add ``tool_mask`` (0 for tool-result tokens, whose log-prob is a 0.0 placeholder) and
+``turns``: per assistant turn, the versions its tokens were sampled with, its length and worker, and its
+``tool_calls`` (name, arguments, result cut to 500 characters, failed) with ``rolled_back`` when the results would
+have overflowed ``max_completion_length``. Generated text is written as data only; nothing here interprets it.
 """
 
 from __future__ import annotations
@@ -29,23 +32,25 @@ def trajectory_records(
             name: (None if math.isnan(v) else v)
             for name, v in zip(reward_names, scored.rewards[j].tolist(), strict=True)
         }
-        records.append(
-            {
-                "step": step,
-                "group_id": group.group_id,
-                "worker_id": group.worker_id,
-                "prompt_index": group.prompt_index,
-                "prompt": dataset[group.prompt_index]["prompt"],
-                "completion": tokenizer.decode(list(group.completion_ids[j]), skip_special_tokens=True),
-                "rewards": rewards,
-                "advantage": float(advantage),
-                "staleness": scored.staleness,
-                "versions": list(group.versions[j]),
-                "prompt_ids": list(group.prompt_ids),
-                "completion_ids": list(group.completion_ids[j]),
-                "logprobs": [None if v is None or math.isnan(v) else v for v in group.logprobs[j]],
-            }
-        )
+        record = {
+            "step": step,
+            "group_id": group.group_id,
+            "worker_id": group.worker_id,
+            "prompt_index": group.prompt_index,
+            "prompt": dataset[group.prompt_index]["prompt"],
+            "completion": tokenizer.decode(list(group.completion_ids[j]), skip_special_tokens=True),
+            "rewards": rewards,
+            "advantage": float(advantage),
+            "staleness": scored.staleness,
+            "versions": list(group.versions[j]),
+            "prompt_ids": list(group.prompt_ids),
+            "completion_ids": list(group.completion_ids[j]),
+            "logprobs": [None if v is None or math.isnan(v) else v for v in group.logprobs[j]],
+        }
+        if group.tool_mask:
+            record["tool_mask"] = list(group.tool_mask[j])
+            record["turns"] = list(group.turns[j])
+        records.append(record)
     return records
 
 
