@@ -46,6 +46,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "recipes"))
 
+import agentic_task  # noqa: E402
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from report import usable_cores  # noqa: E402
@@ -56,6 +57,7 @@ from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
 from trl_async.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 
 CORES = usable_cores()  # the affinity mask, not the host's count
+TOOL_THREADS = 16  # AsyncGRPOConfig.rollout_tool_threads' default: tool calls in flight at once
 BATCH, GROUP = 32, 8  # 4 prompts x 8 completions per optimizer step
 
 
@@ -72,6 +74,9 @@ class Regime:
     workers: int = 1
     batch_groups: int | None = None  # rollout_batch_groups (None: the batch split across the workers)
     scoring_threads: tuple[int, ...] = ()  # extra async runs (max_staleness 1) with these rollout_scoring_threads
+    agentic: bool = False  # multi-turn episodes with a slow tool (agentic_task.py): its own model, data and batch
+    repeats: int = 0  # interleaved repeats (seeds) for this regime; 0: the command's default
+    steps: tuple[int, int] | None = None  # (measured, warm-up) steps for this regime; None: the command's
 
 
 REGIMES = [
@@ -96,10 +101,24 @@ REGIMES = [
         workers=2,
         batch_groups=4,
     ),  # fmt: skip
+    Regime(
+        "agentic",
+        "multi-turn episodes of 1-4 turns, a tool of log-normal latency (median 100 ms, p99 2 s)",
+        hidden=64,
+        layers=2,
+        completion=128,
+        forced=False,
+        agentic=True,
+        repeats=3,
+        steps=(8, 2),
+    ),  # fmt: skip
 ]
+DEFAULT_REGIMES = ["balanced", "slow_reward", "long_tail", "gen_bound"]  # agentic: `--regimes agentic --name agentic`
 
 
 def make_model(regime: Regime, path: str) -> str:
+    if regime.agentic:
+        return agentic_task.make_model(path)
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(tokenizer, hidden_size=regime.hidden, num_layers=regime.layers, num_heads=4)
     if regime.eos_scale is not None:  # tied embeddings: scaling the EOS row by -2 gives geometric-ish lengths
@@ -185,35 +204,43 @@ def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, 
         generation_kwargs={"min_new_tokens": regime.completion} if regime.forced else None,
         ddp_backend="gloo" if processes > 1 else None,
     )  # fmt: skip
+    if regime.agentic:
+        task = agentic_task.task(model_dir, seed)
     if task is not None:  # the learning-curve task (tiny_demo's spelling) overrides model-free settings
         common.update(task["settings"], max_steps=warmup + steps, output_dir=common["output_dir"], seed=seed,
                       logging_steps=1, disable_tqdm=True, generation_kwargs=None)  # fmt: skip
+        common["per_device_train_batch_size"] = task["settings"]["per_device_train_batch_size"] // processes
+    batch = common["per_device_train_batch_size"] * processes
     reward = task["reward"] if task else make_reward(regime.reward_delay_s)
     data = task["dataset"] if task else dataset()
+    extra = {k: task[k] for k in ("tools", "processing_class") if task and k in task}
     clock = _Clock()
     if kind == "sync":
         trainer = TimedGRPOTrainer(model=model_dir, reward_funcs=reward, args=GRPOConfig(**common),
-                                   train_dataset=data, callbacks=[clock])  # fmt: skip
+                                   train_dataset=data, callbacks=[clock], **extra)  # fmt: skip
     else:
         args = AsyncGRPOConfig(**common, max_staleness=staleness, num_rollout_workers=regime.workers,
                                rollout_batch_groups=regime.batch_groups,
                                rollout_scoring_threads=scoring_threads)  # fmt: skip
         trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=data,
-                                   callbacks=[clock])  # fmt: skip
+                                   callbacks=[clock], **extra)  # fmt: skip
     started = time.time()
     trainer.train()
     finished = time.time()
     lo, hi = clock.step_end[warmup - 1] if warmup else started, clock.step_end[-1]
     wall = hi - lo
     window = [h for h in trainer.state.log_history if "completions/mean_length" in h][warmup:]
-    tokens = sum(h["completions/mean_length"] * BATCH for h in window)
+    tokens = sum(h["completions/mean_length"] * batch for h in window)  # sampled tokens (tool results excluded)
+    tool_spans = getattr(extra.get("tools", [None])[0], "spans", [])
     row = {
         "regime": regime.name, "kind": kind if processes == 1 else "ddp", "threads": threads,
         "staleness": staleness if kind == "async" else None, "scoring_threads": scoring_threads if kind == "async" else 1,
         "workers": regime.workers if kind == "async" else 0, "steps": steps, "seed": seed, "wall_s": wall,
-        "samples_per_s": steps * BATCH / wall, "tokens_per_s": tokens / wall, "tokens": tokens,
+        "samples_per_s": steps * batch / wall, "tokens_per_s": tokens / wall, "tokens": tokens,
         "end_to_end_s": finished - constructed,
-        "reward_sleep_s": regime.reward_delay_s * steps * BATCH,  # the verifier's latency over the measured steps
+        "reward_sleep_s": regime.reward_delay_s * steps * batch,  # the verifier's latency over the measured steps
+        "tool_sleep_s": _overlap(tool_spans, lo, hi),  # the tool's latency (agentic) over the measured steps
+        "tool_calls_per_step": len(tool_spans) / (warmup + steps),
         "rewards": [(t - started, r) for t, r in clock.rewards],
     }  # fmt: skip
     if kind == "sync":
@@ -242,6 +269,7 @@ def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, 
             sync_s=statistics.fmean(syncs) if syncs else 0.0,
             score_s=statistics.median(e - s for s, e in scores) if scores else 0.0,
             groups_per_call=trainer._rollout_batch_groups,
+            dropped_groups=pool.dropped_groups,  # too stale when consumed (or on arrival): generated again
             max_length=[h["completions/max_length"] for h in window],  # per step (one generate call per step here)
         )  # fmt: skip
         row["timeline"] = (
@@ -258,6 +286,8 @@ def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, 
 def configs(regime: Regime, quick: bool) -> list[dict]:
     out = [dict(kind="sync", threads=1), dict(kind="sync", threads=2), dict(kind="sync", threads=1, processes=2)]
     stalenesses = [0, 1, 2, 4] if (regime.name == "balanced" or not quick) else [1, 2]
+    if regime.agentic:  # episodes wait seconds for their tool: room for several steps of staleness
+        stalenesses = [2, 4, 8]
     out += [dict(kind="async", staleness=s) for s in stalenesses]
     return out + [dict(kind="async", staleness=1, scoring_threads=n) for n in regime.scoring_threads]
 
@@ -293,7 +323,7 @@ def summarise(rows: list[dict]) -> list[dict]:
     for (regime, name), group in keyed.items():
         med = {k: statistics.median(r[k] for r in group) for k in (
             "wall_s", "samples_per_s", "tokens_per_s", "tokens", "trainer_busy", "sync_share", "startup_s",
-            "end_to_end_s", "reward_sleep_s")}  # fmt: skip
+            "end_to_end_s", "reward_sleep_s", "tool_sleep_s")}  # fmt: skip
         wb = [r["worker_busy"] for r in group if r["worker_busy"] is not None]
         first = group[0]
         out.append({"regime": regime, "config": name, "kind": first["kind"], "threads": first["threads"],
@@ -302,13 +332,15 @@ def summarise(rows: list[dict]) -> list[dict]:
     for regime in {r["regime"] for r in out}:
         mine = [r for r in out if r["regime"] == regime]
         one = [r for r in rows if r["regime"] == regime and r["kind"] == "sync" and r["threads"] == 1]
-        work = statistics.median(r["wall_s"] - r["reward_s"] for r in one)  # single-core CPU work (reward sleeps)
+        # single-core CPU work: the verifier and the tool sleep
+        work = statistics.median(r["wall_s"] - r["reward_s"] - r["tool_sleep_s"] for r in one)
         work_per_token = work / statistics.median(r["tokens"] for r in one)
         gen = statistics.median(r["generate_s"] for r in one)
         syncs = [r for r in mine if r["kind"] != "async"]
         best_wall, best_tokens = min(r["wall_s"] for r in syncs), max(r["tokens_per_s"] for r in syncs)
         for r in mine:
-            r["bound_s"] = max(work_per_token * r["tokens"] / CORES, r["reward_sleep_s"] / r["scoring_threads"])
+            r["bound_s"] = max(work_per_token * r["tokens"] / CORES, r["reward_sleep_s"] / r["scoring_threads"],
+                               r["tool_sleep_s"] / TOOL_THREADS)  # fmt: skip
             r["efficiency"] = r["bound_s"] / r["wall_s"]
             r["speedup_vs_best_sync"] = best_wall / r["wall_s"]  # steps per second
             r["tokens_vs_best_sync"] = r["tokens_per_s"] / best_tokens  # equal work whatever the lengths
@@ -383,7 +415,7 @@ def plots(rows: list[dict], curves: dict) -> None:
     import report
 
     summary = summarise(rows)
-    regimes = [g.name for g in REGIMES]
+    regimes = list(dict.fromkeys(r["regime"] for r in rows))
     fig, ax = plt.subplots(figsize=(9, 4))
     labels = list(dict.fromkeys(r["config"] for r in summary))
     width = 0.8 / len(labels)
@@ -436,7 +468,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="one repeat, fewer steps (~8 min)")
-    parser.add_argument("--regimes", nargs="*", default=[g.name for g in REGIMES])
+    parser.add_argument("--regimes", nargs="*", default=DEFAULT_REGIMES, help="`agentic` alone writes its own table")
     parser.add_argument("--ddp_run", help=argparse.SUPPRESS)  # one DDP rank, launched by launch_ddp
     parser.add_argument("--result", help=argparse.SUPPRESS)
     cli = parser.parse_args()
@@ -454,13 +486,17 @@ def main() -> None:
     rows = []
     for regime in [g for g in REGIMES if g.name in cli.regimes]:
         model_dir = make_model(regime, os.path.join(work, regime.name))
-        for rep in range(repeats):  # interleaved: every config once per repeat, in turn
+        for rep in range(regime.repeats or repeats):  # interleaved: every config once per repeat, in turn
             for cfg in configs(regime, cli.quick) if rep % 2 == 0 else configs(regime, cli.quick)[::-1]:
                 run = launch_ddp if cfg.get("processes", 1) > 1 else run_one
-                rows.append(run(regime, model_dir, steps=steps, warmup=warmup, seed=rep, **cfg))
+                n, w = regime.steps or (steps, warmup)
+                rows.append(run(regime, model_dir, steps=n, warmup=w, seed=rep, **cfg))
                 r = rows[-1]
                 print(f"{regime.name:12s} {label(r):24s} {r['wall_s']:.2f}s {r['tokens_per_s']:.0f} tokens/s "
                       f"start-up {r['startup_s']:.1f}s", flush=True)  # fmt: skip
+    if cli.regimes == ["agentic"]:
+        agentic_report(rows, *REGIMES[-1].steps, started)
+        return
     curves = learning_curves(curve_steps)
     summary = summarise(rows)
     validation = validate_simulator(rows)
@@ -490,6 +526,7 @@ def main() -> None:
     final = {name: statistics.fmean(r for _, r in c["rewards"][-20:]) for name, c in curves.items()}
     regimes = "\n".join(
         f"- `{g.name}`: {g.what}; h{g.hidden}×{g.layers} layers, {g.completion} tokens" for g in REGIMES
+        if g.name in cli.regimes
     )
     report.update_readme(
         "throughput",
@@ -514,6 +551,64 @@ def main() -> None:
     )
     print(table)
     print(sim_table)
+
+
+def agentic_report(rows: list[dict], steps: int, warmup: int, started: float) -> None:
+    """The agentic regime's own table, plot and JSON (results/agentic.*): mean and spread over the seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import report
+
+    names = list(dict.fromkeys(label(r) for r in rows))
+    by = {n: [r for r in rows if label(r) == n] for n in names}
+    mean = lambda n, k: statistics.fmean(r[k] for r in by[n])  # noqa: E731
+    sd = lambda n, k: statistics.stdev(r[k] for r in by[n]) if len(by[n]) > 1 else 0.0  # noqa: E731
+    syncs = [n for n in names if not n.startswith("async")]
+    best_tokens = max(mean(n, "tokens_per_s") for n in syncs)
+    best_steps = max(steps / mean(n, "wall_s") for n in syncs)
+    summary = [{"config": n, "seeds": len(by[n]), "wall_s": mean(n, "wall_s"), "steps_per_s": steps / mean(n, "wall_s"),
+                "tokens_per_s": mean(n, "tokens_per_s"), "tokens_per_s_sd": sd(n, "tokens_per_s"),
+                "tokens_vs_best_sync": mean(n, "tokens_per_s") / best_tokens,
+                "steps_vs_best_sync": steps / mean(n, "wall_s") / best_steps,
+                "tool_calls_per_step": mean(n, "tool_calls_per_step"),
+                "dropped_per_step": statistics.fmean(r.get("dropped_groups", 0) / (steps + warmup) for r in by[n]),
+                "tool_sleep_share": mean(n, "tool_sleep_s") / mean(n, "wall_s"),
+                "trainer_busy": mean(n, "trainer_busy"), "startup_s": mean(n, "startup_s"),
+                "end_to_end_s": mean(n, "end_to_end_s")} for n in names]  # fmt: skip
+    command = "python benchmarks/throughput.py --regimes agentic"
+    report.write_json("agentic", {"cores": CORES, "steps": steps, "warmup": warmup, "command": command,
+                                  "elapsed_s": time.time() - started, "summary": summary, "runs": rows})  # fmt: skip
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar(names, [r["tokens_vs_best_sync"] for r in summary],
+           yerr=[r["tokens_per_s_sd"] / best_tokens for r in summary], color="tab:blue")  # fmt: skip
+    ax.axhline(1.0, color="k", lw=1)
+    ax.axhline(2.0, color="tab:red", lw=1, ls="--", label="goal: 2x")
+    ax.set(ylabel="tokens/s vs best sync", title="agentic regime: tool latency log-normal (median 0.1 s, p99 2 s)")
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(report.png_path("agentic"), dpi=110)
+    table = report.markdown_table(
+        ["trainer", "seeds", "wall s", "steps/s", "tokens/s", "± sd", "tokens/s vs best sync", "steps/s vs best sync",
+         "tool calls / step", "tool sleep ÷ wall", "dropped groups / step", "trainer busy", "start-up s",
+         "end to end s"],
+        [[r["config"], r["seeds"], r["wall_s"], r["steps_per_s"], r["tokens_per_s"], r["tokens_per_s_sd"],
+          r["tokens_vs_best_sync"], r["steps_vs_best_sync"], r["tool_calls_per_step"], r["tool_sleep_share"],
+          r["dropped_per_step"], r["trainer_busy"], r["startup_s"], r["end_to_end_s"]] for r in summary],
+    )  # fmt: skip
+    report.update_readme(
+        "agentic",
+        f"### Agentic regime (`{command}`)\n\n{agentic_task.__doc__.strip()}\n\n{CORES} cores; 4 prompts × 4 "
+        f"episodes per step; {steps} measured steps after {warmup} warm-up; seeds {sorted({r['seed'] for r in rows})}, "
+        f"interleaved, mean; {(time.time() - started) / 60:.0f} min in all. TRL's GRPOTrainer runs the same tool in "
+        "its own loop (one call after another); AsyncGRPOTrainer runs episodes as they come (rollout_tool_threads "
+        "16). 'tool sleep ÷ wall': the tool's latency summed over the measured steps, over the wall time (above 1: "
+        "calls overlapped).\n\n"
+        f"{table}\n\n![agentic](results/agentic.png)",
+    )
+    print(table)
 
 
 if __name__ == "__main__":

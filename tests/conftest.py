@@ -111,3 +111,11 @@ def current_logps(trainer, batch: dict) -> torch.Tensor:
         ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
         mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
         return trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, ids.size(1) - 2)[0]
+
+
+@pytest.fixture(scope="session")
+def tool_model_dir(tmp_path_factory) -> str:
+    """A tiny model fitted to make real tool calls (tests/tool_model.py), shared by the multi-turn tests."""
+    from .tool_model import build_tool_model
+
+    return str(build_tool_model(tmp_path_factory.mktemp("tool_model")))

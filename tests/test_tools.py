@@ -19,7 +19,7 @@ from .tool_model import (
     AFTER_TOOL,
     FIRST_TURNS,
     TOOL_RESULTS,
-    build_tool_model,
+    as_multiply,
     conversation,
     multiply,
     multiply_async,
@@ -32,11 +32,6 @@ TOOL_SETTINGS = dict(
     learning_rate=1e-6, max_steps=2, logging_steps=1, report_to=[], bf16=False, use_cpu=True,
     gradient_checkpointing=False, save_strategy="no", beta=0.0,
 )  # fmt: skip
-
-
-@pytest.fixture(scope="session")
-def tool_model_dir(tmp_path_factory) -> str:
-    return str(build_tool_model(tmp_path_factory.mktemp("tool_model")))
 
 
 def tokenizer_of(path: str) -> PreTrainedTokenizerFast:
@@ -153,17 +148,8 @@ def test_episodes_wait_for_tools_concurrently(tmp_path, tool_model_dir):
     """While one episode waits for its tool, others run theirs: the calls' time spans overlap."""
     spans, lock = [], threading.Lock()
 
+    @as_multiply
     def multiply(a: int, b: int) -> int:
-        """
-        Multiplies two integers.
-
-        Args:
-            a: The first integer.
-            b: The second integer.
-
-        Returns:
-            The product of the two integers.
-        """
         start = time.time()
         time.sleep(0.4)
         with lock:
@@ -183,17 +169,8 @@ def test_episodes_wait_for_tools_concurrently(tmp_path, tool_model_dir):
 def test_a_hanging_tool_times_out_as_a_failed_call_and_training_goes_on(tmp_path, tool_model_dir):
     release = threading.Event()
 
+    @as_multiply
     def multiply(a: int, b: int) -> int:
-        """
-        Multiplies two integers.
-
-        Args:
-            a: The first integer.
-            b: The second integer.
-
-        Returns:
-            The product of the two integers.
-        """
         release.wait(60)  # hangs (until the test ends)
         return a * b
 
@@ -218,17 +195,8 @@ def test_a_hanging_tool_times_out_as_a_failed_call_and_training_goes_on(tmp_path
 
 
 def test_a_tool_result_that_would_overflow_is_rolled_back_as_grpo_trainer_does(tmp_path, tool_model_dir):
+    @as_multiply
     def multiply(a: int, b: int) -> int:
-        """
-        Multiplies two integers.
-
-        Args:
-            a: The first integer.
-            b: The second integer.
-
-        Returns:
-            The product of the two integers.
-        """
         return "9" * 200  # a result longer than what is left of max_completion_length
 
     prompts = ["What is 3 times 4?", "Say hello."]
@@ -277,17 +245,8 @@ def test_an_episode_spanning_a_weight_sync_is_corrected_token_by_token(tmp_path,
     import torch
     from transformers import AutoModelForCausalLM
 
+    @as_multiply
     def multiply(a: int, b: int) -> int:
-        """
-        Multiplies two integers.
-
-        Args:
-            a: The first integer.
-            b: The second integer.
-
-        Returns:
-            The product of the two integers.
-        """
         time.sleep(0.3)
         return a * b
 

@@ -10,44 +10,38 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
-from trl import GRPOTrainer
-from trl.chat_template_utils import get_training_chat_template
-
-from trl_async.tiny import build_tiny_model, build_tool_tokenizer, fit_sequences, render_text
+from trl_async import tiny
 
 
+MULTIPLY_DOC = """
+    Multiplies two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The product of the two integers.
+    """
+
+
+def as_multiply(fn):
+    """Give ``fn`` the name and docstring the model was fitted on, so the prompt renders the same tool schema (a
+    function's schema comes from its name, type hints and docstring)."""
+    fn.__doc__ = MULTIPLY_DOC
+    fn.__name__ = fn.__qualname__ = "multiply"
+    return fn
+
+
+@as_multiply
 def multiply(a: int, b: int) -> int:
-    """
-    Multiplies two integers.
-
-    Args:
-        a: The first integer.
-        b: The second integer.
-
-    Returns:
-        The product of the two integers.
-    """
     return a * b
 
 
-async def _multiply_async(a: int, b: int) -> int:
-    """
-    Multiplies two integers.
-
-    Args:
-        a: The first integer.
-        b: The second integer.
-
-    Returns:
-        The product of the two integers.
-    """
+@as_multiply
+async def multiply_async(a: int, b: int) -> int:  # the same tool, awaited on an event loop
     return a * b
-
-
-_multiply_async.__name__ = _multiply_async.__qualname__ = "multiply"  # the same tool, rendered into the prompt identically, awaited on a loop
-multiply_async = _multiply_async
 
 
 def call(name: str, **arguments) -> str:
@@ -72,36 +66,9 @@ def conversation(prompt: str) -> list[dict]:
 
 
 def build_tool_model(path: str | Path, tools=(multiply,), fit_steps: int = 400) -> Path:
-    path = Path(path)
-    tools = list(tools)
-    corpus = []
-    for prompt, first in FIRST_TURNS.items():
-        corpus.append(render_text(conversation(prompt), tools, add_generation_prompt=True) + first + "<|im_end|>")
-        result = TOOL_RESULTS.get(prompt, "0")
-        corpus.append(
-            render_text(conversation(prompt) + [{"role": "assistant", "content": first},
-                        {"role": "tool", "name": "multiply", "content": result}], tools, add_generation_prompt=True)
-            + AFTER_TOOL + "<|im_end|>"
-        )  # fmt: skip
-    tokenizer = build_tool_tokenizer(corpus)
-    template = get_training_chat_template(tokenizer)
-    owner = SimpleNamespace(_is_vlm=False, processing_class=tokenizer, _tokenizer=tokenizer, chat_template=template,
-                            chat_template_kwargs={})  # fmt: skip
-    sequences = []
-    for prompt, first in FIRST_TURNS.items():
-        context = tokenizer.apply_chat_template(conversation(prompt), tools=tools, chat_template=template,
-                                                add_generation_prompt=True, tokenize=True, return_dict=False)  # fmt: skip
-        turn = tokenizer.encode(first + "<|im_end|>", add_special_tokens=False)
-        sequences.append((list(context), turn))
-        for result in (TOOL_RESULTS.get(prompt, "0"), "12", "{'error': 'x'}"):  # "Done!" after any tool result
-            suffix = GRPOTrainer._get_tool_suffix_ids(owner, [{"role": "tool", "name": "multiply", "content": result}])
-            done = tokenizer.encode(AFTER_TOOL + "<|im_end|>", add_special_tokens=False)
-            sequences.append((list(context) + turn + list(suffix), done))
-    longest = max(len(c) + len(t) for c, t in sequences)
-    model = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, max_position_embeddings=4 * longest)
-    loss = fit_sequences(model, sequences, steps=fit_steps)
-    if loss > 0.05:
-        raise RuntimeError(f"the tiny tool-calling model did not fit its turns (loss {loss:.3f})")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    """The scenarios above: after a call, "Done!" whatever the tool returned (its own result, 12, or an error)."""
+    episodes = {
+        prompt: [(first, [TOOL_RESULTS.get(prompt, "0"), "12", "{'error': 'x'}"]), (AFTER_TOOL, [])]
+        for prompt, first in FIRST_TURNS.items()
+    }
+    return tiny.build_tool_model(path, episodes, list(tools), fit_steps=fit_steps)

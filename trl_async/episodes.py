@@ -15,12 +15,21 @@ completion (a later turn gets what is left; tool results that would overflow it,
 ``max_tool_calling_iterations`` bounds the rounds of tool calls. Every sampled token keeps the version of the weights
 that produced it, so one episode may span several versions; a suffix token carries the version of the sampled token
 before it, so an episode's staleness is that of its oldest sampled token.
+
+With ``environment_factory`` each episode gets its own environment instance from an ``EnvironmentPool`` (built by the
+factories, reused across episodes as GRPOTrainer reuses them): ``reset(**row)`` starts the episode and its return
+value is appended to the last prompt message, the instance's public methods are the episode's tools, and the
+instance stays with the group until its rewards are computed (environment-owned rewards read its state), then goes
+back to the pool. A ``reset`` that raises abandons the group (counted, logged); training goes on.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 import queue
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
@@ -29,7 +38,46 @@ from trl import GRPOTrainer
 from trl.chat_template_utils import parse_response
 
 from .records import RolloutGroup, RolloutTask
-from .tool_calls import ToolResults, ToolRunner
+from .tool_calls import ToolResults, ToolRunner, split_tools
+
+logger = logging.getLogger(__name__)
+
+
+class EnvironmentPool:
+    """Environment instances per name (``None``: the single factory), created on demand and reused."""
+
+    def __init__(self, factories: dict) -> None:
+        self.factories = factories
+        self._free: dict = {name: [] for name in factories}
+        self._lock = threading.Lock()
+
+    def acquire(self, name):
+        with self._lock:
+            if self._free[name]:
+                return self._free[name].pop()
+        return self.factories[name]()
+
+    def release(self, name, instances) -> None:
+        with self._lock:
+            self._free[name].extend(instances)
+
+
+def environment_tools(instance) -> list:
+    """The methods GRPOTrainer exposes as tools: public functions of the class but ``reset`` and ``get_reward``."""
+    return [getattr(instance, name) for name, _ in inspect.getmembers(type(instance), predicate=inspect.isfunction)
+            if name not in ("reset", "get_reward") and not name.startswith("_")]  # fmt: skip
+
+
+def with_observation(prompt: list[dict], observation) -> list[dict]:
+    """GRPOTrainer's rule: ``reset``'s return value is appended to the content of the last prompt message."""
+    if observation is None:
+        return prompt
+    content = prompt[-1]["content"]
+    if isinstance(observation, list) and isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    if isinstance(observation, str) and isinstance(content, list):
+        observation = [{"type": "text", "text": observation}]
+    return prompt[:-1] + [{**prompt[-1], "content": content + observation}]
 
 
 @dataclass
@@ -42,6 +90,9 @@ class Episode:
     versions: list[int] = field(default_factory=list)
     tool_mask: list[int] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)  # the parsed completion, as reward functions receive it
+    prompt: list | None = None  # the prompt messages (environments: with the reset observation)
+    tool_dicts: tuple[dict, dict] | None = None  # (sync, async) tools by name; None: the runner's
+    schema_tools: list | None = None  # tools the prompt was rendered with (parse_response casts arguments by them)
     tool_calls: int = 0
     tool_failures: int = 0
     rounds: int = 0  # rounds of tool calls executed
@@ -90,14 +141,22 @@ class Episode:
 
 @dataclass
 class _Group:
-    first: RolloutGroup  # the first turn, as a worker returned it
+    first: RolloutGroup | None  # the first turn, as a worker returned it
     admitted_at_version: int
     episodes: list[Episode]
+    task: RolloutTask | None = None  # environments: the admitted task the runner started
+    environment: object = None  # environments: the name of the group's environment
+    instances: list = field(default_factory=list)  # environments: one instance per episode
 
     def record(self) -> RolloutGroup:
         eps = self.episodes
+        rows = {}
+        if self.instances:
+            rows = dict(row_prompts=tuple(e.prompt for e in eps), row_prompt_ids=tuple(tuple(e.prompt_ids) for e in eps))
         return replace(
             self.first,
+            rows=(),
+            **rows,
             completion_ids=tuple(tuple(e.completion_ids) for e in eps),
             logprobs=tuple(tuple(e.logprobs) for e in eps),
             versions=tuple(tuple(e.versions) for e in eps),
@@ -117,8 +176,19 @@ class EpisodeRunner:
     def __init__(self, *, tokenizer, chat_template: str | None, chat_template_kwargs: dict, tools: list,
                  max_rounds: int, max_completion_length: int, max_model_len: int | None, tool_runner: ToolRunner,
                  tool_dicts: tuple[dict, dict], submit_turn: Callable[[RolloutTask], None],
-                 finished: Callable[[RolloutGroup], None], fail: Callable[[BaseException], None]) -> None:  # fmt: skip
+                 finished: Callable[[RolloutGroup], None], fail: Callable[[BaseException], None],
+                 environments: EnvironmentPool | None = None, standalone_tools: Sequence = (),
+                 schema_tools: dict | None = None, multi_environment: bool = False, dataset=None,
+                 num_generations: int = 1, abandon: Callable[[RolloutTask, str], None] | None = None) -> None:  # fmt: skip
+        """With ``environments``: ``dataset`` rows start episodes (``reset``), ``schema_tools`` maps an environment
+        name to the tools its prompts render (GRPOTrainer's ``_env_tools``), ``abandon`` takes back a group whose
+        ``reset`` raised."""
         self.tokenizer = tokenizer
+        self.chat_template, self.chat_template_kwargs = chat_template, dict(chat_template_kwargs)
+        self.environments, self.standalone_tools = environments, list(standalone_tools)
+        self.schema_tools, self.multi_environment = schema_tools or {}, multi_environment
+        self.dataset, self.num_generations, self.abandon = dataset, num_generations, abandon
+        self._held: dict[int, _Group] = {}  # environments: groups handed to scoring, until release()
         self.tools = tools
         self.max_rounds = max_rounds
         self.max_completion_length = max_completion_length
@@ -139,12 +209,35 @@ class EpisodeRunner:
     def on_turn(self, turn: RolloutGroup, admitted_at_version: int) -> None:
         self._events.put(("turn", turn, admitted_at_version))
 
+    @property
+    def starts_groups(self) -> bool:
+        """With environments the runner starts each admitted group itself (``reset``, then the first turn)."""
+        return self.environments is not None
+
+    def start(self, task: RolloutTask) -> None:
+        self._events.put(("start", task))
+
+    def instances(self, group_id: int) -> list | None:
+        """The environment instances of a finished group (its rewards may read them), until ``release``."""
+        group = self._held.get(group_id)
+        return group.instances if group is not None else None
+
+    def release(self, group_id: int) -> None:
+        group = self._held.pop(group_id, None)
+        if group is not None:
+            self.environments.release(group.environment, group.instances)
+
     def in_progress(self) -> int:
         return len(self._groups)
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._events.put(None)
         self._thread.join(timeout_s)
+        for group in [*self._groups.values(), *self._held.values()]:  # shutdown: every instance back to the pool
+            if group.instances:
+                self.environments.release(group.environment, group.instances)
+        self._groups.clear()
+        self._held.clear()
 
     def _serve(self) -> None:
         while True:
@@ -154,11 +247,50 @@ class EpisodeRunner:
             try:
                 if event[0] == "turn":
                     self._on_turn(event[1], event[2])
+                elif event[0] == "start":
+                    self._on_start(event[1])
                 else:
                     self._on_tools(*event[1:])
             except BaseException as exc:  # noqa: BLE001 - the pool fails and the trainer raises it
                 self.fail(exc)
                 return
+
+    def _on_start(self, task: RolloutTask) -> None:
+        """Environments: one instance per episode, ``reset`` with the dataset row, the prompt with its observation."""
+        row = self.dataset[task.prompt_index]
+        name = row.get("environment") if self.multi_environment else None
+        if name not in self.environments.factories:
+            raise ValueError(f"train_dataset row {task.prompt_index} has environment={name!r}, which is not among the "
+                             f"environments passed to environment_factory: {list(self.environments.factories)}")  # fmt: skip
+        kwargs = {k: v for k, v in row.items() if k != "environment"} if self.multi_environment else row
+        prompt = row.get("prompt", [{"role": "user", "content": ""}])
+        group = _Group(None, task.admitted_at_version, [], task=task, environment=name)
+        try:
+            for _ in range(self.num_generations):
+                instance = self.environments.acquire(name)
+                group.instances.append(instance)
+                observation = instance.reset(**kwargs)
+                episode = Episode(self._tokenize(with_observation(prompt, observation), name))
+                episode.prompt = with_observation(prompt, observation)
+                episode.tool_dicts = split_tools(self.standalone_tools + environment_tools(instance))
+                episode.schema_tools = self.schema_tools.get(name)
+                group.episodes.append(episode)
+        except Exception:  # noqa: BLE001 - a user's environment: reported, the group is skipped
+            self.environments.release(name, group.instances)
+            self.abandon(task, traceback.format_exc())
+            return
+        self._groups[task.group_id] = group
+        self.submit_turn(replace(task, prompt_ids=tuple(group.episodes[0].prompt_ids),
+                                 contexts=tuple(tuple(e.prompt_ids) for e in group.episodes),
+                                 rows=tuple(range(len(group.episodes)))))  # fmt: skip
+
+    def _tokenize(self, prompt: list[dict], name) -> list[int]:
+        """As GRPOTrainer renders a prompt of this environment (its tool schema in the system prompt)."""
+        out = self.tokenizer.apply_chat_template(
+            conversation=[prompt], tools=self.schema_tools.get(name) or None, chat_template=self.chat_template,
+            add_generation_prompt=True, tokenize=True, return_dict=True, **self.chat_template_kwargs,
+        )  # fmt: skip
+        return list(out["input_ids"][0])
 
     def _on_turn(self, turn: RolloutGroup, admitted_at_version: int) -> None:
         if not turn.rows:  # a first turn: the group's episodes start
@@ -167,15 +299,17 @@ class EpisodeRunner:
             rows = range(len(turn.completion_ids))
         else:
             group, rows = self._groups[turn.group_id], turn.rows
+            group.first = group.first or turn
         for row, ids, logprobs, versions in zip(rows, turn.completion_ids, turn.logprobs, turn.versions, strict=True):
             episode = group.episodes[row]
             first = not episode.turns
-            parsed = parse_response(self.tokenizer, list(ids), prefix=episode.context, tools=self.tools) if (
+            tools = self.tools if episode.schema_tools is None else episode.schema_tools
+            parsed = parse_response(self.tokenizer, list(ids), prefix=episode.context, tools=tools) if (
                 ids or first) else {}  # fmt: skip
             episode.add_turn(ids, logprobs, versions, parsed, turn.worker_id)
             calls = episode.pending_calls(parsed, self.max_rounds)
             if calls:
-                self.tool_runner.submit(calls, self.tool_dicts,
+                self.tool_runner.submit(calls, episode.tool_dicts or self.tool_dicts,
                                         lambda result, g=turn.group_id, r=row: self._events.put(("tools", g, r, result)))  # fmt: skip
             else:
                 self._end(turn.group_id, episode)
@@ -202,4 +336,6 @@ class EpisodeRunner:
         group = self._groups[group_id]
         if all(e.done for e in group.episodes):
             del self._groups[group_id]
+            if group.instances:
+                self._held[group_id] = group  # until its rewards are computed (release)
             self.finished(group.record())

@@ -58,6 +58,9 @@ class RolloutGroup:
     # placeholder and its version that of the model token before it); ``completions`` are the parsed messages
     # reward functions receive; ``turns`` the per-turn record (version, tool calls, results) for trajectories.
     tool_mask: tuple[tuple[int, ...], ...] = ()
+    # with environments each episode's prompt carries its own ``reset`` observation: its messages and token ids
+    row_prompts: tuple = ()
+    row_prompt_ids: tuple[tuple[int, ...], ...] = ()
     completions: tuple = ()
     tool_calls: int = 0
     tool_failures: int = 0

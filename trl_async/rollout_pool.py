@@ -85,7 +85,7 @@ class RolloutPool:
         settings: PoolSettings,
         prompts: PromptStream,
         tokenize_row: Callable[[int], tuple[int, ...]],
-        score_group: Callable[[RolloutGroup], ScoredGroup],
+        score_group: Callable[[RolloutGroup, list | None], ScoredGroup],
         episodes: Callable[..., EpisodeRunner] | None = None,
     ) -> None:
         """``episodes`` (multi-turn rollouts with tools): builds the ``EpisodeRunner`` that turns each group's first
@@ -122,8 +122,9 @@ class RolloutPool:
 
         self._to_score: queue.SimpleQueue[RolloutGroup] = queue.SimpleQueue()
         self._later_turns: deque[RolloutTask] = deque()  # turns of episodes under way: dispatched before new groups
+        self.abandoned_groups = 0  # environments: groups whose reset raised
         self._episodes = None if episodes is None else episodes(
-            submit_turn=self._submit_turn, finished=self._to_score.put, fail=self._fail
+            submit_turn=self._submit_turn, finished=self._to_score.put, fail=self._fail, abandon=self._abandon
         )  # fmt: skip
 
         self._workers = [backend.start_lane(i) for i in range(len(backend.specs))]
@@ -212,6 +213,8 @@ class RolloutPool:
         self.dropped_groups += 1
         self.dropped_samples += len(group.completion_ids)
         self._prompts.push_front(self._positions.pop(group.group_id), group.prompt_index)
+        if self._episodes is not None:
+            self._episodes.release(group.group_id)
         self._cv.notify_all()
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -323,12 +326,18 @@ class RolloutPool:
                 self._admitted += n
                 version = self._published
                 chunk = []
+                starts = self._episodes is not None and self._episodes.starts_groups
                 for _ in range(n):
                     position, index = self._prompts.next()
                     self._positions[self._next_group_id] = position
-                    chunk.append(RolloutTask(self._next_group_id, index, self._tokenize_row(index), version))
+                    prompt_ids = () if starts else self._tokenize_row(index)  # environments: the runner renders them
+                    chunk.append(RolloutTask(self._next_group_id, index, prompt_ids, version))
                     self._next_group_id += 1
-                self._send(worker, chunk)
+                if starts:  # environments: reset first, then the first turn comes back as a later turn
+                    for task in chunk:
+                        self._episodes.start(task)
+                else:
+                    self._send(worker, chunk)
 
     @staticmethod
     def _send(worker, chunk: list[RolloutTask]) -> None:
@@ -341,6 +350,15 @@ class RolloutPool:
         """The ``EpisodeRunner`` asks for the next turn of an episode."""
         with self._cv:
             self._later_turns.append(task)
+            self._cv.notify_all()
+
+    def _abandon(self, task: RolloutTask, why: str) -> None:
+        """A group that cannot run (its environment's ``reset`` raised): skipped, counted, its prompt not retried."""
+        logger.warning("train_dataset row %d: skipped, the environment's reset raised:\n%s", task.prompt_index, why)
+        with self._cv:
+            self._admitted -= 1
+            self.abandoned_groups += 1
+            self._prompts.taken([self._positions.pop(task.group_id)], -1)  # done, as far as resuming is concerned
             self._cv.notify_all()
 
     def _fail(self, exc: BaseException) -> None:
@@ -377,7 +395,12 @@ class RolloutPool:
                     self._drop_stale(group)
                     continue
             started = time.time()
-            scored = self._score_group(group)
+            environments = self._episodes.instances(group.group_id) if self._episodes is not None else None
+            try:
+                scored = self._score_group(group) if environments is None else self._score_group(group, environments)
+            finally:
+                if environments is not None:
+                    self._episodes.release(group.group_id)
             self.activity.append(("score", group.worker_id, started, time.time()))
             with self._cv:
                 self._ready.append(scored)

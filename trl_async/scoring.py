@@ -95,9 +95,11 @@ class RewardScorer:
             shutdown_event_loop_in_daemon(*self._own_loop)
             self._own_loop = None
 
-    def score(self, rows: list[dict], completions: list, completion_ids: list) -> tuple[torch.Tensor, dict, dict]:
+    def score(self, rows: list[dict], completions: list, completion_ids: list,
+              environments: list | None = None) -> tuple[torch.Tensor, dict, dict]:  # fmt: skip
         """Returns ``rewards_NF`` (rows x reward functions, NaN where a function returned None), the extra columns
-        and the metrics that reward functions logged during this call."""
+        and the metrics that reward functions logged during this call. ``environments`` (one instance per row) is
+        passed on to the reward functions, as GRPOTrainer does."""
         prompts = [row["prompt"] for row in rows]
         extra_logs: dict[str, list] = defaultdict(list)
         metrics: dict[str, list] = defaultdict(list)
@@ -106,6 +108,8 @@ class RewardScorer:
         kwargs["trainer_state"] = self.trainer_state()
         kwargs["log_extra"] = lambda column, values: extra_logs[column].extend(values)
         kwargs["log_metric"] = lambda name, value: metrics[name].append(value)
+        if environments is not None:
+            kwargs["environments"] = environments
         completion_ids = [list(c) for c in completion_ids]
 
         rewards = torch.zeros(len(rows), len(self.reward_funcs))

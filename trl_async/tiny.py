@@ -140,3 +140,62 @@ def fit_sequences(model, sequences: list[tuple[list[int], list[int]]], steps: in
         optimizer.step()
     model.eval()
     return float(loss)
+
+
+def build_tool_model(path: str | Path, episodes: dict[str, list[tuple[str, list[str]]]], tools: list,
+                     fit_steps: int = 400, hidden_size: int = 64, num_layers: int = 2) -> Path:  # fmt: skip
+    """Save a tiny tool-calling model under ``path`` whose turns follow ``episodes``: for each user prompt, a list
+    of ``(assistant turn text, tool results after it)``; the model is fitted to say turn ``r + 1`` after turn ``r``
+    followed by any of those results (the last turn has none). A turn that is a call is written as
+    ``<tool_call>\n{json}\n</tool_call>``. Prompts render with ``tools`` in the system prompt (Qwen3 template, TRL's
+    training variant), exactly as GRPOTrainer renders them. Load the tokenizer with ``PreTrainedTokenizerFast``:
+    transformers 5 loads a Qwen2 model's tokenizer as ``Qwen2Tokenizer``, which replaces the saved pre-tokenizer."""
+    import json
+    from types import SimpleNamespace
+
+    from trl import GRPOTrainer
+    from trl.chat_template_utils import get_training_chat_template
+
+    def tool_name(turn: str) -> str:
+        try:
+            return json.loads(turn.split("<tool_call>\n", 1)[1].split("\n</tool_call>", 1)[0])["name"]
+        except (IndexError, ValueError, KeyError, TypeError):
+            return tools[0].__name__
+
+    def histories(turns):  # every (messages so far, next turn) the model must learn
+        states = [([], 0)]
+        while states:
+            messages, r = states.pop()
+            text, results = turns[r]
+            yield messages, text
+            for result in results if r + 1 < len(turns) else []:
+                tool = {"role": "tool", "name": tool_name(text), "content": result}
+                states.append((messages + [{"role": "assistant", "content": text}, tool], r + 1))
+
+    path = Path(path)
+    user = {prompt: [{"role": "user", "content": prompt}] for prompt in episodes}
+    corpus = [render_text(user[p] + m, tools, add_generation_prompt=True) + t + "<|im_end|>"
+              for p, turns in episodes.items() for m, t in histories(turns)]  # fmt: skip
+    tokenizer = build_tool_tokenizer(corpus)
+    template = get_training_chat_template(tokenizer)
+    owner = SimpleNamespace(_is_vlm=False, processing_class=tokenizer, _tokenizer=tokenizer, chat_template=template,
+                            chat_template_kwargs={})  # fmt: skip
+    sequences = []
+    for prompt, turns in episodes.items():
+        context = list(tokenizer.apply_chat_template(user[prompt], tools=tools, chat_template=template,
+                                                     add_generation_prompt=True, tokenize=True, return_dict=False))  # fmt: skip
+        for messages, text in histories(turns):
+            ids = list(context)
+            for i in range(0, len(messages), 2):  # (assistant turn, tool result) pairs, as the trainer splices them
+                ids += tokenizer.encode(messages[i]["content"] + "<|im_end|>", add_special_tokens=False)
+                ids += GRPOTrainer._get_tool_suffix_ids(owner, [messages[i + 1]])
+            sequences.append((ids, tokenizer.encode(text + "<|im_end|>", add_special_tokens=False)))
+    longest = max(len(c) + len(t) for c, t in sequences)
+    model = build_tiny_model(tokenizer, hidden_size=hidden_size, num_layers=num_layers,
+                             max_position_embeddings=4 * longest)  # fmt: skip
+    loss = fit_sequences(model, sequences, steps=fit_steps)
+    if loss > 0.05:
+        raise RuntimeError(f"the tiny tool-calling model did not fit its turns (loss {loss:.3f})")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

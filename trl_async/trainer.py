@@ -31,7 +31,7 @@ from trl.models.utils import disable_gradient_checkpointing
 
 from .config import async_fields_of
 from .correction import off_policy_correction
-from .episodes import EpisodeRunner
+from .episodes import EnvironmentPool, EpisodeRunner
 from .progress import AsyncProgressCallback
 from .prompts import PromptStream
 from .records import RolloutGroup
@@ -93,15 +93,11 @@ class AsyncGRPOTrainer(GRPOTrainer):
         rollout_func=None,
         environment_factory=None,
     ):
-        for name, value in (
-            ("rollout_func", rollout_func),
-            ("environment_factory", environment_factory),
-        ):
-            if value:
-                raise NotImplementedError(
-                    f"AsyncGRPOTrainer does not support `{name}` yet: multi-turn and custom rollouts need the rollout "
-                    f"workers to run them. Use trl.GRPOTrainer for `{name}`."
-                )
+        if rollout_func is not None:
+            raise NotImplementedError(
+                "AsyncGRPOTrainer does not support `rollout_func` yet: a custom rollout needs a contract for the policy "
+                "version its weights carried. Use trl.GRPOTrainer for `rollout_func`."
+            )
         refused = unsupported_setup(model, args, quantization_config)
         if refused:
             raise NotImplementedError(
@@ -134,6 +130,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             quantization_config=quantization_config,
             peft_config=peft_config,
             tools=tools,
+            environment_factory=environment_factory,
         )
         self.async_args = async_fields_of(self.args)
         self._check_async_supported()
@@ -173,10 +170,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def _check_async_supported(self) -> None:
         if self._is_vlm:
             raise NotImplementedError("AsyncGRPOTrainer does not support vision-language models (image inputs) yet.")
-        if self.tools and self.async_args.rollout_backend == "vllm":
+        if (self.tools or self.environment_factories) and self.async_args.rollout_backend == "vllm":
             raise NotImplementedError(
-                "AsyncGRPOTrainer runs `tools` with its transformers rollout workers only for now "
-                "(rollout_backend='transformers'); the vLLM backend does not continue multi-turn episodes yet."
+                "AsyncGRPOTrainer runs `tools` and `environment_factory` with its transformers rollout workers only "
+                "for now (rollout_backend='transformers'); the vLLM backend does not continue multi-turn episodes yet."
             )
         per_batch = self.args.steps_per_generation * self.num_iterations
         if per_batch % self.args.gradient_accumulation_steps != 0:
@@ -253,7 +250,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             scoring_threads=a.rollout_scoring_threads,
         )
         saved = self.state.stateful_callbacks.get(PromptProgress.__name__) if start_version else None
-        episodes = self._episode_runner_factory() if self.tools else None
+        episodes = self._episode_runner_factory() if (self.tools or self.environment_factories) else None
         prompts = PromptStream(
             len(self.train_dataset),
             self._groups_per_batch,
@@ -276,8 +273,14 @@ class AsyncGRPOTrainer(GRPOTrainer):
             chat_template_kwargs=dict(self.chat_template_kwargs), tools=list(self.tools),
             max_rounds=self.max_tool_calling_iterations, max_completion_length=self.max_completion_length,
             max_model_len=getattr(config, "max_position_embeddings", None), tool_runner=self._tool_runner,
-            tool_dicts=split_tools(self.tools),
+            tool_dicts=split_tools(self.tools), num_generations=self.num_generations,
         )  # fmt: skip
+        if self.environment_factories is not None:  # each episode: its own instance, reset, methods as tools
+            kwargs.update(
+                environments=EnvironmentPool(dict(self.environment_factories)), dataset=self.train_dataset,
+                standalone_tools=list(self._standalone_tools), schema_tools=dict(self._env_tools),
+                multi_environment=self._multi_environment,
+            )  # fmt: skip
         return lambda **callbacks: EpisodeRunner(**kwargs, **callbacks)
 
     def _process_backend(self, model) -> ProcessBackend:
@@ -488,16 +491,18 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 scorers.append(local.scorer)
             return local.tokenizer, local.scorer
 
-        def score_group(group: RolloutGroup) -> ScoredGroup:
+        def score_group(group: RolloutGroup, environments: list | None = None) -> ScoredGroup:
             tokenizer, scorer = own()
             row = dataset[group.prompt_index]
-            conversational = is_conversational({"prompt": row["prompt"]})
+            # environments: each episode's prompt carries its reset observation, as GRPOTrainer passes it
+            rows = [{**row, "prompt": p} for p in group.row_prompts] if group.row_prompts else [row] * group_size
+            conversational = is_conversational({"prompt": rows[0]["prompt"]})
             prompt_ids = [group.prompt_ids] * group_size
             if group.completions:  # multi-turn: the parsed messages of each episode, as GRPOTrainer's loop builds them
                 completions = [list(c) for c in group.completions]
             else:
                 completions = decode_completions(tokenizer, prompt_ids, group.completion_ids, conversational)
-            rewards, extra_logs, metrics = scorer.score([row] * group_size, completions, list(group.completion_ids))
+            rewards, extra_logs, metrics = scorer.score(rows, completions, list(group.completion_ids), environments)
             return ScoredGroup(group, 0, rewards, extra_logs, metrics)
 
         return score_group
@@ -521,12 +526,17 @@ class AsyncGRPOTrainer(GRPOTrainer):
         local = rows[self.accelerator.process_index * per_rank : (self.accelerator.process_index + 1) * per_rank]
         self._forward_reward_logs(local)
         self._consuming = local
+        # environments ran in the background (each episode reset its own instance): GRPOTrainer must not reset its
+        # own again, and sees each row's prompt as the episode saw it
+        factories, self.environment_factories = self.environment_factories, None
         try:
             output = super()._generate_and_score_completions(
-                [self.train_dataset[g.group.prompt_index] for g, _ in local]
-            )
+                [{**self.train_dataset[g.group.prompt_index], "prompt": g.group.row_prompts[j]}
+                 if g.group.row_prompts else self.train_dataset[g.group.prompt_index] for g, j in local]
+            )  # fmt: skip
         finally:
             self._consuming = None
+            self.environment_factories = factories
         self._add_off_policy_inputs(output)
         if self.async_args.rollout_trajectory_file:
             self._log_trajectories(local, output["advantages"])
@@ -554,7 +564,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
-        expected = [list(g.group.prompt_ids) for g, _ in self._consuming]
+        expected = [self._row_prompt_ids(g.group, j) for g, j in self._consuming]
         if [list(p) for p in prompt_ids] != expected:
             raise RuntimeError(
                 "the rollout workers tokenized a prompt differently from GRPOTrainer; refusing to train on "
@@ -563,6 +573,16 @@ class AsyncGRPOTrainer(GRPOTrainer):
         completion_ids = [list(g.group.completion_ids[j]) for g, j in self._consuming]
         logprobs = [list(g.group.logprobs[j]) for g, j in self._consuming]
         return completion_ids, logprobs  # with tools, whole episodes: _tool_call_loop below returns them as they are
+
+    @staticmethod
+    def _row_prompt_ids(group: RolloutGroup, j: int) -> list[int]:
+        return list(group.row_prompt_ids[j] if group.row_prompt_ids else group.prompt_ids)
+
+    def _tokenize_prompts(self, prompts: list):
+        if self._consuming is None or not any(g.group.row_prompt_ids for g, _ in self._consuming):
+            return super()._tokenize_prompts(prompts)
+        # environments: each episode's prompt was rendered with its environment's tools (EpisodeRunner._tokenize)
+        return [self._row_prompt_ids(g.group, j) for g, j in self._consuming], None, {}
 
     def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
         if self._consuming is None:  # evaluation: GRPOTrainer's own loop

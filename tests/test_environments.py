@@ -1,0 +1,142 @@
+"""`environment_factory`: one environment instance per episode, `reset` per episode, its methods as tools,
+environment-owned rewards, several environments selected by the dataset, checked against TRL's GRPOTrainer on the
+same tiny tool-calling model (tests/tool_model.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_async import AsyncGRPOTrainer
+
+from .conftest import async_args, no_rollout_children
+from .test_tools import TOOL_SETTINGS, Recorder, tokenizer_of, tool_metrics
+from .tool_model import as_multiply, conversation
+
+PROMPTS = ["What is 3 times 4?", "What is 5 times 6?", "Say hello."]
+
+
+class Multiplier:
+    """Its `multiply` renders like tests/tool_model.multiply (the model was fitted on that schema)."""
+
+    created = 0
+    overlaps = 0  # an instance reset for a second episode before the first one's reward
+    lock = threading.Lock()
+
+    def __init__(self):
+        with Multiplier.lock:
+            type(self).created += 1
+        self.busy = False
+
+    def reset(self, answer, **kwargs):
+        with Multiplier.lock:
+            Multiplier.overlaps += self.busy
+        self.busy = True
+        self.answer, self.result = answer, None
+        return None
+
+    @as_multiply
+    def multiply(self, a: int, b: int) -> int:
+        self.result = self._compute(a, b)
+        return self.result
+
+    def _compute(self, a: int, b: int) -> int:  # private: not a tool
+        return a * b
+
+    def get_reward(self) -> float:
+        self.busy = False
+        return float(self.result == self.answer)
+
+
+def rows(environment=None):
+    answers = {"What is 3 times 4?": 12, "What is 5 times 6?": 30, "Say hello.": 0}
+    out = [{"prompt": conversation(p), "answer": answers[p]} for p in PROMPTS]
+    return Dataset.from_list([{**r, "environment": environment(i)} for i, r in enumerate(out)] if environment else out)
+
+
+def test_environment_owned_rewards_and_messages_match_grpo_trainer(tmp_path, tool_model_dir):
+    reference = Recorder()
+    sync = GRPOTrainer(model=tool_model_dir, reward_funcs=reference, processing_class=tokenizer_of(tool_model_dir),
+                       args=GRPOConfig(output_dir=str(tmp_path / "sync"), **TOOL_SETTINGS),
+                       train_dataset=rows(), environment_factory=Multiplier)  # fmt: skip
+    sync.train()
+    Multiplier.created = Multiplier.overlaps = 0
+    recorder = Recorder()
+    ours = AsyncGRPOTrainer(model=tool_model_dir, reward_funcs=recorder, processing_class=tokenizer_of(tool_model_dir),
+                            args=async_args(tmp_path / "async", **TOOL_SETTINGS, max_staleness=0),
+                            train_dataset=rows(), environment_factory=Multiplier)  # fmt: skip
+    ours.train()
+    assert tool_metrics(ours) == tool_metrics(sync) == [(pytest.approx(2 / 3), 0.5)] * 2
+    env_rewards = lambda t: [h["rewards/Multiplier/mean"] for h in t.state.log_history if "rewards/Multiplier/mean" in h]  # noqa: E731
+    # the environment owns a reward: 3 x 4 = 12 is right (1), the failed call and plain text are not (0)
+    assert env_rewards(ours) == env_rewards(sync) == [pytest.approx(1 / 3)] * 2
+    by_prompt = lambda seen: {p[-1]["content"]: c for ps, cs in seen for p, c in zip(ps, cs, strict=True)}  # noqa: E731
+    assert by_prompt(recorder.seen) == by_prompt(reference.seen)
+    # one instance per episode at a time, reused across episodes (4 steps' worth of episodes, fewer instances)
+    assert 0 < Multiplier.created < 2 * 6 and Multiplier.overlaps == 0
+    assert no_rollout_children()
+
+
+class Adder(Multiplier):
+    def _compute(self, a: int, b: int) -> int:
+        return a * b + 1
+
+
+def test_several_environments_selected_by_the_dataset(tmp_path, tool_model_dir):
+    factories = {"mul": Multiplier, "add": Adder}
+    data = rows(environment=lambda i: ["mul", "add", "mul"][i])
+    reference = Recorder()
+    sync = GRPOTrainer(model=tool_model_dir, reward_funcs=reference, processing_class=tokenizer_of(tool_model_dir),
+                       args=GRPOConfig(output_dir=str(tmp_path / "sync"), **TOOL_SETTINGS),
+                       train_dataset=data, environment_factory=factories)  # fmt: skip
+    sync.train()
+    recorder = Recorder()
+    ours = AsyncGRPOTrainer(model=tool_model_dir, reward_funcs=recorder, processing_class=tokenizer_of(tool_model_dir),
+                            args=async_args(tmp_path / "async", **TOOL_SETTINGS, max_staleness=0),
+                            train_dataset=data, environment_factory=factories)  # fmt: skip
+    ours.train()
+    by_prompt = lambda seen: {p[-1]["content"]: c for ps, cs in seen for p, c in zip(ps, cs, strict=True)}  # noqa: E731
+    ours_seen = by_prompt(recorder.seen)
+    assert ours_seen == by_prompt(reference.seen)
+    assert ours_seen["What is 3 times 4?"][1]["content"] == "12"  # Multiplier's tool
+    logs = [{k: v for k, v in h.items() if k.startswith("rewards/")} for h in ours.state.log_history if "loss" in h]
+    theirs = [{k: v for k, v in h.items() if k.startswith("rewards/")} for h in sync.state.log_history if "loss" in h]
+    assert logs == theirs
+
+
+class Observing(Multiplier):
+    def reset(self, answer, **kwargs):
+        super().reset(answer)
+        return " Use the tool."
+
+
+def test_reset_observation_is_appended_to_the_prompt(tmp_path, tool_model_dir):
+    recorder = Recorder()
+    ours = AsyncGRPOTrainer(model=tool_model_dir, reward_funcs=recorder, processing_class=tokenizer_of(tool_model_dir),
+                            args=async_args(tmp_path, **{**TOOL_SETTINGS, "max_steps": 1}),
+                            train_dataset=rows(), environment_factory=Observing)  # fmt: skip
+    ours.train()
+    seen = {p[-1]["content"] for ps, _ in recorder.seen for p in ps}
+    assert seen == {p + " Use the tool." for p in PROMPTS}
+
+
+class Fragile(Multiplier):
+    def reset(self, answer, **kwargs):
+        if answer == 30:
+            raise RuntimeError("cannot set up this task")
+        return super().reset(answer)
+
+
+def test_a_raising_reset_skips_its_group_and_training_goes_on(tmp_path, tool_model_dir):
+    recorder = Recorder()
+    ours = AsyncGRPOTrainer(model=tool_model_dir, reward_funcs=recorder, processing_class=tokenizer_of(tool_model_dir),
+                            args=async_args(tmp_path, **{**TOOL_SETTINGS, "per_device_train_batch_size": 4}),
+                            train_dataset=rows(), environment_factory=Fragile)  # fmt: skip
+    ours.train()
+    assert ours.state.global_step == TOOL_SETTINGS["max_steps"]
+    assert ours.last_rollout_pool.abandoned_groups >= 1
+    assert "What is 5 times 6?" not in {p[-1]["content"] for ps, _ in recorder.seen for p in ps}
+    assert no_rollout_children()
