@@ -66,7 +66,7 @@ def make_lookup(seed: int):
 def make_model(path: str) -> str:
     from trl_async.tiny import build_tool_model
 
-    return str(build_tool_model(Path(path), episodes(), [make_lookup(0)], fit_steps=500))
+    return str(build_tool_model(Path(path), episodes(), [make_lookup(0)], fit_steps=800, hidden_size=128))
 
 
 def dataset() -> Dataset:

@@ -104,7 +104,7 @@ REGIMES = [
     Regime(
         "agentic",
         "multi-turn episodes of 1-4 turns, a tool of log-normal latency (median 100 ms, p99 2 s)",
-        hidden=64,
+        hidden=128,
         layers=2,
         completion=128,
         forced=False,
@@ -240,7 +240,9 @@ def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, 
         "end_to_end_s": finished - constructed,
         "reward_sleep_s": regime.reward_delay_s * steps * batch,  # the verifier's latency over the measured steps
         "tool_sleep_s": _overlap(tool_spans, lo, hi),  # the tool's latency (agentic) over the measured steps
-        "tool_calls_per_step": len(tool_spans) / (warmup + steps),
+        "tool_calls_per_step": len(tool_spans) / (warmup + steps),  # made (by any episode, trained on or not)
+        # calls per trained episode: the mix of the batches (async takes episodes as they end: short ones first)
+        "trained_calls_per_episode": statistics.fmean(h.get("tools/call_frequency", 0.0) for h in window),
         "rewards": [(t - started, r) for t, r in clock.rewards],
     }  # fmt: skip
     if kind == "sync":
@@ -573,6 +575,7 @@ def agentic_report(rows: list[dict], steps: int, warmup: int, started: float) ->
                 "tokens_vs_best_sync": mean(n, "tokens_per_s") / best_tokens,
                 "steps_vs_best_sync": steps / mean(n, "wall_s") / best_steps,
                 "tool_calls_per_step": mean(n, "tool_calls_per_step"),
+                "trained_calls_per_episode": mean(n, "trained_calls_per_episode"),
                 "dropped_per_step": statistics.fmean(r.get("dropped_groups", 0) / (steps + warmup) for r in by[n]),
                 "tool_sleep_share": mean(n, "tool_sleep_s") / mean(n, "wall_s"),
                 "trainer_busy": mean(n, "trainer_busy"), "startup_s": mean(n, "startup_s"),
@@ -592,10 +595,12 @@ def agentic_report(rows: list[dict], steps: int, warmup: int, started: float) ->
     fig.savefig(report.png_path("agentic"), dpi=110)
     table = report.markdown_table(
         ["trainer", "seeds", "wall s", "steps/s", "tokens/s", "± sd", "tokens/s vs best sync", "steps/s vs best sync",
-         "tool calls / step", "tool sleep ÷ wall", "dropped groups / step", "trainer busy", "start-up s",
+         "tool calls / step", "calls per trained episode", "tool sleep ÷ wall", "dropped groups / step",
+         "trainer busy", "start-up s",
          "end to end s"],
         [[r["config"], r["seeds"], r["wall_s"], r["steps_per_s"], r["tokens_per_s"], r["tokens_per_s_sd"],
-          r["tokens_vs_best_sync"], r["steps_vs_best_sync"], r["tool_calls_per_step"], r["tool_sleep_share"],
+          r["tokens_vs_best_sync"], r["steps_vs_best_sync"], r["tool_calls_per_step"],
+          r["trained_calls_per_episode"], r["tool_sleep_share"],
           r["dropped_per_step"], r["trainer_busy"], r["startup_s"], r["end_to_end_s"]] for r in summary],
     )  # fmt: skip
     report.update_readme(
