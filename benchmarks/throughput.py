@@ -235,6 +235,7 @@ def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, 
     row = {
         "regime": regime.name, "kind": kind if processes == 1 else "ddp", "threads": threads,
         "staleness": staleness if kind == "async" else None, "scoring_threads": scoring_threads if kind == "async" else 1,
+        "processes": processes,
         "workers": regime.workers if kind == "async" else 0, "steps": steps, "seed": seed, "wall_s": wall,
         "samples_per_s": steps * batch / wall, "tokens_per_s": tokens / wall, "tokens": tokens,
         "end_to_end_s": finished - constructed,
@@ -323,25 +324,28 @@ def summarise(rows: list[dict]) -> list[dict]:
         keyed.setdefault((r["regime"], label(r)), []).append(r)
     out = []
     for (regime, name), group in keyed.items():
-        med = {k: statistics.median(r[k] for r in group) for k in (
+        med = {k: statistics.median(r.get(k, 0.0) for r in group) for k in (
             "wall_s", "samples_per_s", "tokens_per_s", "tokens", "trainer_busy", "sync_share", "startup_s",
             "end_to_end_s", "reward_sleep_s", "tool_sleep_s")}  # fmt: skip
         wb = [r["worker_busy"] for r in group if r["worker_busy"] is not None]
         first = group[0]
+        # groups scored at once: the scoring threads, and under DDP every rank scores its share at the same time
+        concurrent = first["scoring_threads"] * first.get("processes", 2 if first["kind"] == "ddp" else 1)
         out.append({"regime": regime, "config": name, "kind": first["kind"], "threads": first["threads"],
-                    "staleness": first["staleness"], "scoring_threads": first["scoring_threads"], **med,
+                    "staleness": first["staleness"], "scoring_threads": first["scoring_threads"],
+                    "concurrent_scorers": concurrent, **med,
                     "worker_busy": statistics.median(wb) if wb else None, "repeats": len(group)})  # fmt: skip
     for regime in {r["regime"] for r in out}:
         mine = [r for r in out if r["regime"] == regime]
         one = [r for r in rows if r["regime"] == regime and r["kind"] == "sync" and r["threads"] == 1]
         # single-core CPU work: the verifier and the tool sleep
-        work = statistics.median(r["wall_s"] - r["reward_s"] - r["tool_sleep_s"] for r in one)
+        work = statistics.median(r["wall_s"] - r["reward_s"] - r.get("tool_sleep_s", 0.0) for r in one)
         work_per_token = work / statistics.median(r["tokens"] for r in one)
         gen = statistics.median(r["generate_s"] for r in one)
         syncs = [r for r in mine if r["kind"] != "async"]
         best_wall, best_tokens = min(r["wall_s"] for r in syncs), max(r["tokens_per_s"] for r in syncs)
         for r in mine:
-            r["bound_s"] = max(work_per_token * r["tokens"] / CORES, r["reward_sleep_s"] / r["scoring_threads"],
+            r["bound_s"] = max(work_per_token * r["tokens"] / CORES, r["reward_sleep_s"] / r["concurrent_scorers"],
                                r["tool_sleep_s"] / TOOL_THREADS)  # fmt: skip
             r["efficiency"] = r["bound_s"] / r["wall_s"]
             r["speedup_vs_best_sync"] = best_wall / r["wall_s"]  # steps per second
@@ -473,6 +477,7 @@ def main() -> None:
     parser.add_argument("--regimes", nargs="*", default=DEFAULT_REGIMES, help="`agentic` alone writes its own table")
     parser.add_argument("--ddp_run", help=argparse.SUPPRESS)  # one DDP rank, launched by launch_ddp
     parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--from_json", action="store_true", help="redraw tables and plots from results/*.json")
     cli = parser.parse_args()
     if cli.ddp_run:
         spec = json.loads(cli.ddp_run)
@@ -485,8 +490,13 @@ def main() -> None:
     repeats, steps, warmup, curve_steps = (1, 6, 2, 200) if cli.quick else (2, 12, 3, 400)
     started = time.time()
     work = tempfile.mkdtemp(prefix="throughput_")
-    rows = []
-    for regime in [g for g in REGIMES if g.name in cli.regimes]:
+    rows, saved = [], None
+    if cli.from_json:  # the measurements of the last run, summarised by the current code
+        saved = json.loads((HERE / "results" / ("agentic.json" if cli.regimes == ["agentic"] else "throughput.json")).read_text())
+        rows, started = saved["runs"], time.time() - saved["elapsed_s"]
+        cli.quick, steps, warmup = saved.get("quick", False), saved["steps"], saved["warmup"]
+        repeats = 1 + max(r["seed"] for r in rows)
+    for regime in [g for g in REGIMES if g.name in cli.regimes and saved is None]:
         model_dir = make_model(regime, os.path.join(work, regime.name))
         for rep in range(regime.repeats or repeats):  # interleaved: every config once per repeat, in turn
             for cfg in configs(regime, cli.quick) if rep % 2 == 0 else configs(regime, cli.quick)[::-1]:
@@ -499,7 +509,8 @@ def main() -> None:
     if cli.regimes == ["agentic"]:
         agentic_report(rows, *REGIMES[-1].steps, started)
         return
-    curves = learning_curves(curve_steps)
+    curves = saved["curves"] if saved else learning_curves(curve_steps)
+    curve_steps = len(next(iter(curves.values()))["rewards"])
     summary = summarise(rows)
     validation = validate_simulator(rows)
     command = "python benchmarks/throughput.py" + (" --quick" if cli.quick else "")

@@ -140,3 +140,57 @@ def test_a_raising_reset_skips_its_group_and_training_goes_on(tmp_path, tool_mod
     assert ours.last_rollout_pool.abandoned_groups >= 1
     assert "What is 5 times 6?" not in {p[-1]["content"] for ps, _ in recorder.seen for p in ps}
     assert no_rollout_children()
+
+
+class Judge:
+    """An environment with no tools: it only owns the reward (single-turn episodes)."""
+
+    def reset(self, answer, **kwargs):
+        self.answer = answer
+
+    def get_reward(self) -> float:
+        return float(self.answer == 12)
+
+
+def test_an_environment_without_tools_trains_like_grpo_trainer(tmp_path, tool_model_dir):
+    settings = {**TOOL_SETTINGS, "max_steps": 1}
+    sync = GRPOTrainer(model=tool_model_dir, reward_funcs=Recorder(), processing_class=tokenizer_of(tool_model_dir),
+                       args=GRPOConfig(output_dir=str(tmp_path / "sync"), **settings),
+                       train_dataset=rows(), environment_factory=Judge)  # fmt: skip
+    reference = sync.reward_funcs[0]
+    sync.train()
+    recorder = Recorder()
+    ours = AsyncGRPOTrainer(model=tool_model_dir, reward_funcs=recorder, processing_class=tokenizer_of(tool_model_dir),
+                            args=async_args(tmp_path / "async", **settings, max_staleness=0),
+                            train_dataset=rows(), environment_factory=Judge)  # fmt: skip
+    ours.train()
+    judged = lambda t: [h["rewards/Judge/mean"] for h in t.state.log_history if "rewards/Judge/mean" in h]  # noqa: E731
+    assert judged(ours) == judged(sync) == [pytest.approx(1 / 3)]
+    # no tools: no response parser either; completions are the decoded text, as GRPOTrainer gives them
+    by_prompt = lambda seen: {p[-1]["content"]: c for ps, cs in seen for p, c in zip(ps, cs, strict=True)}  # noqa: E731
+    assert by_prompt(recorder.seen) == by_prompt(reference.seen) and set(by_prompt(recorder.seen)) == set(PROMPTS)
+
+
+def test_evaluation_between_steps_leaves_training_environments_alone(tmp_path, tool_model_dir):
+    """GRPOTrainer's evaluation resets its own environment instances; the next training batch must not see them."""
+    ours = AsyncGRPOTrainer(model=tool_model_dir, reward_funcs=Recorder(), processing_class=tokenizer_of(tool_model_dir),
+                            args=async_args(tmp_path, **TOOL_SETTINGS, eval_strategy="steps", eval_steps=1,
+                                            per_device_eval_batch_size=6),
+                            train_dataset=rows(), eval_dataset=rows(), environment_factory=Multiplier)  # fmt: skip
+    ours.train()
+    assert ours.state.global_step == TOOL_SETTINGS["max_steps"]
+    assert [h for h in ours.state.log_history if "eval_loss" in h or "eval_reward" in h]
+
+
+class Broken(Multiplier):
+    def reset(self, answer, **kwargs):
+        raise RuntimeError("the sandbox is down")
+
+
+def test_a_reset_that_always_raises_stops_training_with_its_error(tmp_path, tool_model_dir):
+    ours = AsyncGRPOTrainer(model=tool_model_dir, reward_funcs=Recorder(), processing_class=tokenizer_of(tool_model_dir),
+                            args=async_args(tmp_path, **TOOL_SETTINGS), train_dataset=rows(),
+                            environment_factory=Broken)  # fmt: skip
+    with pytest.raises(RuntimeError, match="reset raised for .* groups in a row(.|\\n)*the sandbox is down"):
+        ours.train()
+    assert no_rollout_children()

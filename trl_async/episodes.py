@@ -98,6 +98,7 @@ class Episode:
     rounds: int = 0  # rounds of tool calls executed
     turns: list[dict] = field(default_factory=list)
     done: bool = False
+    timed_out: bool = False  # a call timed out: it may still be running (on this episode's environment)
 
     @property
     def context(self) -> list[int]:
@@ -123,6 +124,7 @@ class Episode:
                          max_model_len: int | None) -> bool:  # fmt: skip
         """Append the tool messages and their suffix tokens; ``False`` (rolled back, nothing appended) when they
         would overflow ``max_completion_length`` or reach ``max_model_len``, as GRPOTrainer does."""
+        self.timed_out = self.timed_out or results.timeouts > 0
         self.tool_calls += results.calls
         self.tool_failures += results.failures
         self.rounds += 1
@@ -161,7 +163,7 @@ class _Group:
             logprobs=tuple(tuple(e.logprobs) for e in eps),
             versions=tuple(tuple(e.versions) for e in eps),
             tool_mask=tuple(tuple(e.tool_mask) for e in eps),
-            completions=tuple(list(e.messages) for e in eps),
+            completions=tuple(list(e.messages) for e in eps) if any(e.messages for e in eps) else (),
             tool_calls=tuple(e.tool_calls for e in eps),
             tool_failures=tuple(e.tool_failures for e in eps),
             turns=tuple(tuple(e.turns) for e in eps),
@@ -201,6 +203,8 @@ class EpisodeRunner:
             _is_vlm=False, processing_class=tokenizer, _tokenizer=tokenizer, chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
         )  # fmt: skip
+        self._can_parse = (getattr(tokenizer, "response_template", None) is not None
+                           or getattr(tokenizer, "response_schema", None) is not None)  # fmt: skip
         self._groups: dict[int, _Group] = {}
         self._events: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._serve, name="trl_async-episodes", daemon=True)
@@ -225,7 +229,14 @@ class EpisodeRunner:
     def release(self, group_id: int) -> None:
         group = self._held.pop(group_id, None)
         if group is not None:
-            self.environments.release(group.environment, group.instances)
+            self._release(group)
+
+    def _release(self, group: _Group) -> None:
+        """Back to the pool, except an instance a timed-out call may still be using (it is dropped: the pool makes a
+        new one when needed)."""
+        self.environments.release(group.environment, [
+            instance for instance, episode in zip(group.instances, group.episodes, strict=False)
+            if not episode.timed_out])  # fmt: skip
 
     def in_progress(self) -> int:
         return len(self._groups)
@@ -235,7 +246,7 @@ class EpisodeRunner:
         self._thread.join(timeout_s)
         for group in [*self._groups.values(), *self._held.values()]:  # shutdown: every instance back to the pool
             if group.instances:
-                self.environments.release(group.environment, group.instances)
+                self._release(group)
         self._groups.clear()
         self._held.clear()
 
@@ -304,8 +315,7 @@ class EpisodeRunner:
             episode = group.episodes[row]
             first = not episode.turns
             tools = self.tools if episode.schema_tools is None else episode.schema_tools
-            parsed = parse_response(self.tokenizer, list(ids), prefix=episode.context, tools=tools) if (
-                ids or first) else {}  # fmt: skip
+            parsed = self._parse(list(ids), episode, tools) if (ids or first) else {}
             episode.add_turn(ids, logprobs, versions, parsed, turn.worker_id)
             calls = episode.pending_calls(parsed, self.max_rounds)
             if calls:
@@ -313,6 +323,16 @@ class EpisodeRunner:
                                         lambda result, g=turn.group_id, r=row: self._events.put(("tools", g, r, result)))  # fmt: skip
             else:
                 self._end(turn.group_id, episode)
+
+    def _parse(self, ids: list[int], episode: Episode, tools) -> dict:
+        """As GRPOTrainer's ``_generate``: ``parse_response`` for a conversational prompt when the tokenizer has a
+        response parser (tool calls come only from it), else the decoded text; ``{}`` for a plain-text prompt
+        (reward functions then get the decoded completion, as without tools)."""
+        if episode.prompt is not None and not isinstance(episode.prompt, list):
+            return {}
+        if self._can_parse:
+            return parse_response(self.tokenizer, ids, prefix=episode.context, tools=tools)
+        return {"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=True)}
 
     def _on_tools(self, group_id: int, row: int, result: ToolResults | BaseException) -> None:
         if isinstance(result, BaseException):

@@ -123,6 +123,7 @@ class RolloutPool:
         self._to_score: queue.SimpleQueue[RolloutGroup] = queue.SimpleQueue()
         self._later_turns: deque[RolloutTask] = deque()  # turns of episodes under way: dispatched before new groups
         self.abandoned_groups = 0  # environments: groups whose reset raised
+        self._abandoned_in_a_row = 0
         self._episodes = None if episodes is None else episodes(
             submit_turn=self._submit_turn, finished=self._to_score.put, fail=self._fail, abandon=self._abandon
         )  # fmt: skip
@@ -316,33 +317,34 @@ class RolloutPool:
                     return
                 worker = free_worker()
                 if self._later_turns:  # finish episodes under way first: up to one call's rows of later turns
-                    chunk, rows = [], 0
+                    chunk = [self._later_turns.popleft()]
+                    rows = len(chunk[0].contexts)
                     while self._later_turns and rows + len(self._later_turns[0].contexts) <= per_call * rows_per_group:
                         rows += len(self._later_turns[0].contexts)
                         chunk.append(self._later_turns.popleft())
-                    self._send(worker, chunk)
-                    continue
-                n = min(per_call, self._admission_limit() - self._admitted)
-                self._admitted += n
-                version = self._published
-                chunk = []
-                starts = self._episodes is not None and self._episodes.starts_groups
-                for _ in range(n):
-                    position, index = self._prompts.next()
-                    self._positions[self._next_group_id] = position
-                    prompt_ids = () if starts else self._tokenize_row(index)  # environments: the runner renders them
-                    chunk.append(RolloutTask(self._next_group_id, index, prompt_ids, version))
-                    self._next_group_id += 1
-                if starts:  # environments: reset first, then the first turn comes back as a later turn
-                    for task in chunk:
-                        self._episodes.start(task)
                 else:
-                    self._send(worker, chunk)
+                    n = min(per_call, self._admission_limit() - self._admitted)
+                    self._admitted += n
+                    version = self._published
+                    chunk = []
+                    starts = self._episodes is not None and self._episodes.starts_groups
+                    for _ in range(n):
+                        position, index = self._prompts.next()
+                        self._positions[self._next_group_id] = position
+                        prompt_ids = () if starts else self._tokenize_row(index)  # environments: the runner renders
+                        chunk.append(RolloutTask(self._next_group_id, index, prompt_ids, version))
+                        self._next_group_id += 1
+                    if starts:  # environments: reset first; the first turn then comes back as a later turn
+                        for task in chunk:
+                            self._episodes.start(task)
+                        continue
+                worker.register(chunk)
+            self._transmit(worker, chunk)  # outside the lock
 
     @staticmethod
-    def _send(worker, chunk: list[RolloutTask]) -> None:
-        try:  # small messages, at most max_outstanding groups per lane: this never blocks
-            worker.send(chunk)
+    def _transmit(worker, chunk: list[RolloutTask]) -> None:
+        try:  # registered under the lock, piped outside it (a chunk of long contexts may wait for the worker)
+            worker.transmit(chunk)
         except OSError:  # the worker is gone; the monitor regenerates what it held
             pass
 
@@ -358,7 +360,14 @@ class RolloutPool:
         with self._cv:
             self._admitted -= 1
             self.abandoned_groups += 1
+            self._abandoned_in_a_row += 1
             self._prompts.taken([self._positions.pop(task.group_id)], -1)  # done, as far as resuming is concerned
+            limit = 2 * self.settings.groups_per_batch + 2
+            if self._abandoned_in_a_row >= limit:  # a reset that always raises: stop, not spin through the data
+                self._error = self._error or RuntimeError(
+                    f"the environment's reset raised for {self._abandoned_in_a_row} groups in a row; the last "
+                    f"one (train_dataset row {task.prompt_index}):\n{why}"
+                )
             self._cv.notify_all()
 
     def _fail(self, exc: BaseException) -> None:
@@ -403,6 +412,7 @@ class RolloutPool:
                     self._episodes.release(group.group_id)
             self.activity.append(("score", group.worker_id, started, time.time()))
             with self._cv:
+                self._abandoned_in_a_row = 0
                 self._ready.append(scored)
                 self._tokens_since_take += group.num_tokens
                 self._cv.notify_all()
@@ -419,6 +429,7 @@ class RolloutPool:
         if isinstance(msg, RolloutGroup):
             with self._cv:
                 task = worker.outstanding.pop(msg.key, None)
+                self._cv.notify_all()  # the lane has room again (the dispatcher may send a queued later turn)
                 if task is None:
                     return  # not (or no longer) ours: already regenerated elsewhere
             if self._last_call.get(msg.worker_id) != msg.generate_started_at:  # one entry per call, not group

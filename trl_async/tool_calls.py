@@ -107,7 +107,8 @@ def run_tool_calls(
         outcomes = asyncio.run_coroutine_threadsafe(_await_all([c for _, c in pending], timeout_s), loop).result()
         for (i, _), outcome in zip(pending, outcomes, strict=True):
             if isinstance(outcome, BaseException):
-                timed_out = isinstance(outcome, asyncio.TimeoutError | TimeoutError)
+                # asyncio.wait_for's own timeout (a TimeoutError raised by the tool itself is just a failure)
+                timed_out = timeout_s is not None and isinstance(outcome, asyncio.TimeoutError | TimeoutError)
                 timeouts += timed_out
                 message = (f"tool {names[i]} did not return within {timeout_s:g} s (rollout_tool_timeout_s)"
                            if timed_out else str(outcome))  # fmt: skip

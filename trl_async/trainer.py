@@ -529,6 +529,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         # environments ran in the background (each episode reset its own instance): GRPOTrainer must not reset its
         # own again, and sees each row's prompt as the episode saw it
         factories, self.environment_factories = self.environment_factories, None
+        environments, self.environments = self.environments, None  # an evaluation may have left its own
         try:
             output = super()._generate_and_score_completions(
                 [{**self.train_dataset[g.group.prompt_index], "prompt": g.group.row_prompts[j]}
@@ -536,7 +537,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             )  # fmt: skip
         finally:
             self._consuming = None
-            self.environment_factories = factories
+            self.environment_factories, self.environments = factories, environments
         self._add_off_policy_inputs(output)
         if self.async_args.rollout_trajectory_file:
             self._log_trajectories(local, output["advantages"])

@@ -37,13 +37,14 @@ def trajectory_records(
             "group_id": group.group_id,
             "worker_id": group.worker_id,
             "prompt_index": group.prompt_index,
-            "prompt": dataset[group.prompt_index]["prompt"],
+            # environments: each episode's own prompt (with its reset observation); the data may have no "prompt"
+            "prompt": group.row_prompts[j] if group.row_prompts else dataset[group.prompt_index].get("prompt"),
             "completion": tokenizer.decode(list(group.completion_ids[j]), skip_special_tokens=True),
             "rewards": rewards,
             "advantage": float(advantage),
             "staleness": scored.staleness,
             "versions": list(group.versions[j]),
-            "prompt_ids": list(group.prompt_ids),
+            "prompt_ids": list(group.row_prompt_ids[j] if group.row_prompt_ids else group.prompt_ids),
             "completion_ids": list(group.completion_ids[j]),
             "logprobs": [None if v is None or math.isnan(v) else v for v in group.logprobs[j]],
         }

@@ -78,8 +78,15 @@ class VLLMLane:
 
     # ---- the pool's view (same as WorkerProcess) ---------------------------------------------------------------
     def send(self, chunk: list[RolloutTask]) -> None:
+        self.register(chunk)
+        self.transmit(chunk)
+
+    def register(self, chunk: list[RolloutTask]) -> None:
         for task in chunk:
             self.outstanding[task.key] = task
+
+    def transmit(self, chunk: list[RolloutTask]) -> None:
+        for task in chunk:
             self._tasks.put(task)
 
     def is_alive(self) -> bool:

@@ -101,8 +101,17 @@ class WorkerProcess:
         return now - self.heartbeat.value
 
     def send(self, chunk: list[RolloutTask]) -> None:
+        self.register(chunk)
+        self.transmit(chunk)
+
+    def register(self, chunk: list[RolloutTask]) -> None:
+        """Count ``chunk`` as held by this worker (the pool does this under its lock)."""
         for task in chunk:
             self.outstanding[task.key] = task
+
+    def transmit(self, chunk: list[RolloutTask]) -> None:
+        """Pipe a registered chunk to the worker (outside the pool's lock: a chunk of long contexts can fill the
+        pipe until the worker reads it)."""
         self.tasks.send(chunk)
 
     def stop(self, timeout_s: float) -> None:
