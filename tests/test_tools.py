@@ -292,3 +292,10 @@ def test_an_episode_spanning_a_weight_sync_is_corrected_token_by_token(tmp_path,
                                                 "failed": False}]  # fmt: skip
         assert sorted({v for t in r["turns"] for v in t["versions"]}) == sorted(set(r["versions"]))
     assert any(r["turns"][0]["versions"] != r["turns"][1]["versions"] for r in called)
+
+
+def test_tools_with_plain_text_prompts_fail_at_construction(tmp_path, tool_model_dir):
+    with pytest.raises(ValueError, match="`tools` need conversational prompts"):
+        AsyncGRPOTrainer(model=tool_model_dir, reward_funcs=Recorder(), processing_class=tokenizer_of(tool_model_dir),
+                         args=async_args(tmp_path, **TOOL_SETTINGS),
+                         train_dataset=Dataset.from_list([{"prompt": "What is 3 times 4?"}] * 3), tools=[multiply])  # fmt: skip

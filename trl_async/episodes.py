@@ -276,20 +276,20 @@ class EpisodeRunner:
         kwargs = {k: v for k, v in row.items() if k != "environment"} if self.multi_environment else row
         prompt = row.get("prompt", [{"role": "user", "content": ""}])
         group = _Group(None, task.admitted_at_version, [], task=task, environment=name)
-        try:
-            for _ in range(self.num_generations):
-                instance = self.environments.acquire(name)
-                group.instances.append(instance)
+        for _ in range(self.num_generations):
+            instance = self.environments.acquire(name)  # a factory that raises stops training (like a bad config)
+            group.instances.append(instance)
+            try:
                 observation = instance.reset(**kwargs)
-                episode = Episode(self._tokenize(with_observation(prompt, observation), name))
-                episode.prompt = with_observation(prompt, observation)
-                episode.tool_dicts = split_tools(self.standalone_tools + environment_tools(instance))
-                episode.schema_tools = self.schema_tools.get(name)
-                group.episodes.append(episode)
-        except Exception:  # noqa: BLE001 - a user's environment: reported, the group is skipped
-            self.environments.release(name, group.instances)
-            self.abandon(task, traceback.format_exc())
-            return
+            except Exception:  # noqa: BLE001 - a user's environment: reported, the group is skipped
+                self.environments.release(name, group.instances)
+                self.abandon(task, traceback.format_exc())
+                return
+            episode = Episode(self._tokenize(with_observation(prompt, observation), name))
+            episode.prompt = with_observation(prompt, observation)
+            episode.tool_dicts = split_tools(self.standalone_tools + environment_tools(instance))
+            episode.schema_tools = self.schema_tools.get(name)
+            group.episodes.append(episode)
         self._groups[task.group_id] = group
         self.submit_turn(replace(task, prompt_ids=tuple(group.episodes[0].prompt_ids),
                                  contexts=tuple(tuple(e.prompt_ids) for e in group.episodes),

@@ -62,8 +62,8 @@ class RolloutGroup:
     row_prompts: tuple = ()
     row_prompt_ids: tuple[tuple[int, ...], ...] = ()
     completions: tuple = ()
-    tool_calls: int = 0
-    tool_failures: int = 0
+    tool_calls: tuple[int, ...] = ()  # per episode
+    tool_failures: tuple[int, ...] = ()
     turns: tuple = ()
 
     @property
@@ -73,6 +73,11 @@ class RolloutGroup:
     @property
     def num_tokens(self) -> int:
         return sum(len(c) for c in self.completion_ids)
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        """Completion tokens the model sampled (tool-result tokens excluded)."""
+        return sum(sum(m) for m in self.tool_mask) if self.tool_mask else self.num_tokens
 
     @property
     def token_versions(self) -> list[int]:

@@ -361,7 +361,8 @@ class RolloutPool:
             self._admitted -= 1
             self.abandoned_groups += 1
             self._abandoned_in_a_row += 1
-            self._prompts.taken([self._positions.pop(task.group_id)], -1)  # done, as far as resuming is concerned
+            # done as far as resuming is concerned, whatever the checkpoint's step
+            self._prompts.taken([self._positions.pop(task.group_id)], -(2**62))
             limit = 2 * self.settings.groups_per_batch + 2
             if self._abandoned_in_a_row >= limit:  # a reset that always raises: stop, not spin through the data
                 self._error = self._error or RuntimeError(
@@ -414,7 +415,7 @@ class RolloutPool:
             with self._cv:
                 self._abandoned_in_a_row = 0
                 self._ready.append(scored)
-                self._tokens_since_take += group.num_tokens
+                self._tokens_since_take += group.num_sampled_tokens
                 self._cv.notify_all()
 
     def _drain(self, worker) -> None:

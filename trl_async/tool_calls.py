@@ -165,9 +165,13 @@ class ToolRunner:
             done(result)
 
     def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the threads (one deadline for all: a thread inside a hung call is left to its daemon fate)."""
+        import time
+
         for _ in self._threads:
             self._jobs.put(None)
+        deadline = time.monotonic() + timeout_s
         for thread in self._threads:
-            thread.join(timeout_s)
+            thread.join(max(0.0, deadline - time.monotonic()))
         if self._own_loop:
             self.loop.call_soon_threadsafe(self.loop.stop)

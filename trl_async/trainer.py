@@ -170,6 +170,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def _check_async_supported(self) -> None:
         if self._is_vlm:
             raise NotImplementedError("AsyncGRPOTrainer does not support vision-language models (image inputs) yet.")
+        data = self.train_dataset
+        if self.tools and data is not None and "prompt" in data.column_names and not is_conversational(data[0]):
+            raise ValueError(
+                "`tools` need conversational prompts (lists of messages): tool calls are parsed from assistant turns "
+                "with the chat template's response schema (GRPOTrainer's tool loop fails on plain-text prompts too)."
+            )
         if (self.tools or self.environment_factories) and self.async_args.rollout_backend == "vllm":
             raise NotImplementedError(
                 "AsyncGRPOTrainer runs `tools` and `environment_factory` with its transformers rollout workers only "
@@ -553,6 +559,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         # reward functions that returned None/NaN: GRPOTrainer ignores those values (nansum), we count them
         metrics["async/reward_nan"].append(sum(int(torch.isnan(g.rewards).sum()) for g in groups))
         metrics["async/worker_restarts"].append(self._pool.worker_restarts if self._pool is not None else 0)
+        if self.environment_factories is not None:  # groups skipped because their environment's reset raised
+            metrics["async/abandoned_groups"].append(self._pool.abandoned_groups if self._pool is not None else 0)
         self._live = {
             "reward": metrics["reward"][-1] if metrics.get("reward") else float("nan"),
             "staleness": sum(stats.staleness) / len(stats.staleness),
