@@ -503,7 +503,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             # environments: each episode's prompt carries its reset observation, as GRPOTrainer passes it
             rows = [{**row, "prompt": p} for p in group.row_prompts] if group.row_prompts else [row] * group_size
             conversational = is_conversational({"prompt": rows[0]["prompt"]})
-            prompt_ids = [group.prompt_ids] * group_size
+            prompt_ids = list(group.row_prompt_ids) or [group.prompt_ids] * group_size
             if group.completions:  # multi-turn: the parsed messages of each episode, as GRPOTrainer's loop builds them
                 completions = [list(c) for c in group.completions]
             else:
