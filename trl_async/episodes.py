@@ -146,7 +146,6 @@ class _Group:
     first: RolloutGroup | None  # the first turn, as a worker returned it
     admitted_at_version: int
     episodes: list[Episode]
-    task: RolloutTask | None = None  # environments: the admitted task the runner started
     environment: object = None  # environments: the name of the group's environment
     instances: list = field(default_factory=list)  # environments: one instance per episode
 
@@ -238,9 +237,6 @@ class EpisodeRunner:
             instance for instance, episode in zip(group.instances, group.episodes, strict=False)
             if not episode.timed_out])  # fmt: skip
 
-    def in_progress(self) -> int:
-        return len(self._groups)
-
     def close(self, timeout_s: float = 5.0) -> None:
         self._events.put(None)
         self._thread.join(timeout_s)
@@ -275,7 +271,7 @@ class EpisodeRunner:
                              f"environments passed to environment_factory: {list(self.environments.factories)}")  # fmt: skip
         kwargs = {k: v for k, v in row.items() if k != "environment"} if self.multi_environment else row
         prompt = row.get("prompt", [{"role": "user", "content": ""}])
-        group = _Group(None, task.admitted_at_version, [], task=task, environment=name)
+        group = _Group(None, task.admitted_at_version, [], environment=name)
         for _ in range(self.num_generations):
             instance = self.environments.acquire(name)  # a factory that raises stops training (like a bad config)
             group.instances.append(instance)
