@@ -54,6 +54,7 @@ CONFIGS: dict[str, dict] = {
     "async_1+1": dict(kind="async", threads=1, env={}, overrides=dict(rollout_torch_threads=1, rollout_nice=0)),
     "async_2+1": dict(kind="async", threads=2, env=PASSIVE, overrides=dict(rollout_torch_threads=1)),
     "async_nice0": dict(kind="async", threads=2, env=PASSIVE, overrides=dict(rollout_nice=0)),
+    "async_nice0_active": dict(kind="async", threads=2, env={}, overrides=dict(rollout_nice=0)),
     "async_fp32_workers": dict(kind="async", threads=2, env=PASSIVE, overrides=dict(rollout_dtype="float32")),
     # staleness and workers
     "async_s2": dict(kind="async", threads=2, env=PASSIVE, overrides=dict(max_staleness=2)),
