@@ -13,7 +13,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
-from trl_async.vllm_client import VLLMServer
+from trl_async.engines.vllm.client import VLLMServer
 
 
 def reward(completions, **kwargs):

@@ -33,9 +33,9 @@ from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
 from trl_async.correction import off_policy_correction  # noqa: E402
+from trl_async.engines.transformers.worker import generate_groups  # noqa: E402
 from trl_async.records import RolloutTask  # noqa: E402
 from trl_async.tiny import save_tiny_model  # noqa: E402
-from trl_async.worker import generate_groups  # noqa: E402
 
 MODES = ["none", "bypass", "tis", "mask", "seq_tis", "seq_mask", "decoupled"]
 CAPS = {"decoupled": 5.0}

@@ -4,7 +4,7 @@ Inputs are rates a user can measure or estimate: how long one worker's generate 
 step takes, the weight-sync cost, and the async knobs (workers, ``max_staleness``, queue size, sync frequency).
 Output: predicted time per optimizer step, trainer and worker utilisation, the staleness distribution and drops.
 
-The model follows the trainer's rules, not a generic queue: admission control is ``trl_async.staleness.
+The model follows the trainer's rules, not a generic queue: admission control is ``trl_async.rollout.staleness.
 max_groups_admitted`` (AReaL's rule) capped by the queue size; a worker takes up to ``groups_per_call`` admitted
 groups per generate call and samples them with the newest published version at the call's start (``batch`` weight
 update); the trainer consumes ``groups_per_step`` groups per optimizer step in arrival order, drops groups staler than
@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trl_async.staleness import max_groups_admitted  # noqa: E402
+from trl_async.rollout.staleness import max_groups_admitted  # noqa: E402
 
 
 @dataclass(frozen=True)

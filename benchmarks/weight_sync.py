@@ -40,8 +40,8 @@ def measure(out_path: str, sizes: list[str]) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from trl.distributed import DistributedBackend
 
-    from trl_async.weight_sync import iter_policy_buckets, policy_specs
-    from trl_async.weights import SharedMemoryWeights
+    from trl_async.sync.policy import iter_policy_buckets, policy_specs
+    from trl_async.sync.shared_memory import SharedMemoryWeights
 
     torch.set_num_threads(1)
     ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")

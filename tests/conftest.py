@@ -59,7 +59,7 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.integration)
         if item.module.__name__.endswith("test_distributed"):
             item.add_marker(pytest.mark.distributed)
-        if "vllm_server" in getattr(item, "fixturenames", ()):
+        if {"vllm_server", "vllm_tool_server"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.vllm)
 
 
@@ -84,6 +84,26 @@ def vllm_server(vllm_model_dir, tmp_path_factory):
     from tests.vllm_server import start_server
 
     server = start_server(vllm_model_dir, tmp_path_factory.mktemp("vllm-log") / "server.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_tool_model_dir(tmp_path_factory) -> str:
+    """The tool-calling tiny model (tests/tool_model.py) in a size vLLM's CPU attention accepts (head size 64)."""
+    from .tool_model import build_tool_model
+
+    return str(build_tool_model(tmp_path_factory.mktemp("vllm_tool_model"), hidden_size=128, num_heads=2))
+
+
+@pytest.fixture(scope="session")
+def vllm_tool_server(vllm_tool_model_dir, tmp_path_factory):
+    """A second real vLLM CPU server, serving the tool-calling model (multi-turn episodes on the vLLM backend). It
+    never loads the tokenizer: requests carry token ids and ask for no text."""
+    from tests.vllm_server import start_server
+
+    server = start_server(vllm_tool_model_dir, tmp_path_factory.mktemp("vllm-tool-log") / "server.log",
+                          extra_flags=["--skip-tokenizer-init"])  # fmt: skip
     yield server
     server.stop()
 

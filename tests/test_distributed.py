@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from trl_async.vllm_client import VLLMServer
+from trl_async.engines.vllm.client import VLLMServer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from trl import GRPOConfig
 
 from trl_async import AsyncGRPOTrainer
+from trl_async.pool_setup import make_score_group
 from trl_async.records import RolloutGroup
 
 from .conftest import (
@@ -144,7 +145,7 @@ def test_the_scorer_has_its_own_reward_tokenizers(tmp_path, tiny_model_dir):
     tokenizer.save_pretrained(reward_model_dir)
     trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=[reward_model_dir, length_reward],
                                args=async_args(tmp_path), train_dataset=text_dataset())  # fmt: skip
-    score_group = trainer._make_score_group()
+    score_group = make_score_group(trainer)
     group = RolloutGroup(group_id=0, prompt_index=0, prompt_ids=(5, 6), completion_ids=((7, 8),) * 4,
                          logprobs=((-1.0, -1.0),) * 4, versions=((0, 0),) * 4, worker_id=0, generate_s=0.0)  # fmt: skip
     results = []
@@ -269,28 +270,6 @@ def test_fsdp_and_quantized_models_are_refused_before_loading_anything(tmp_path,
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch` with an FSDP config sets
     with pytest.raises(NotImplementedError, match="an accelerate FSDP config"):
         AsyncGRPOTrainer(**common, args=async_args(tmp_path))
-
-
-def test_rollout_func_fails_at_construction(tmp_path, tiny_model_dir):
-    with pytest.raises(NotImplementedError, match="`rollout_func`"):
-        AsyncGRPOTrainer(
-            model=tiny_model_dir, reward_funcs=length_reward, args=async_args(tmp_path), train_dataset=text_dataset(),
-            rollout_func=lambda prompts, trainer: {},
-        )  # fmt: skip
-
-
-def test_tools_with_the_vllm_backend_fail_at_construction(tmp_path, tool_model_dir):
-    from transformers import PreTrainedTokenizerFast
-
-    from .tool_model import conversation, multiply
-
-    with pytest.raises(NotImplementedError, match="rollout_backend='transformers'"):
-        AsyncGRPOTrainer(
-            model=tool_model_dir, reward_funcs=length_reward, tools=[multiply],
-            processing_class=PreTrainedTokenizerFast.from_pretrained(tool_model_dir),
-            args=async_args(tmp_path, rollout_backend="vllm", rollout_vllm_urls=["http://127.0.0.1:1"]),
-            train_dataset=Dataset.from_list([{"prompt": conversation("What is 3 times 4?")}] * 2),
-        )  # fmt: skip
 
 
 def test_use_vllm_and_iterable_datasets_fail_at_construction(tmp_path, tiny_model_dir):

@@ -9,7 +9,7 @@ import pytest
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_async import AsyncGRPOTrainer
-from trl_async.rollout_pool import RolloutWorkerError
+from trl_async.rollout.pool import RolloutWorkerError
 
 from .conftest import COMMON, async_args, letter_reward, no_rollout_children, text_dataset
 
@@ -46,7 +46,7 @@ def test_an_exception_in_a_worker_is_raised_on_the_trainer_with_its_traceback_an
     # the worker's traceback: the original exception type and message, and frames from the worker's own code
     assert "Traceback (most recent call last)" in message
     assert "ValueError: There are one or more stop strings" in message and NO_TOKENIZER in message
-    assert "trl_async/worker.py" in message and "in generate_groups" in message and "in worker_main" in message
+    assert "trl_async/engines/transformers/worker.py" in message and "in generate_groups" in message and "in worker_main" in message
     # reported as soon as it happens, not found by the rollout timeout
     assert elapsed < 60
     pool = trainer.last_rollout_pool

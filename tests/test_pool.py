@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from trl_async.prompts import PromptStream
-from trl_async.rollout_pool import PoolSettings, RolloutPool, RolloutWorkerError, ScoredGroup
+from trl_async.engines.transformers.worker import WorkerSpec
+from trl_async.engines.transformers.worker_process import ProcessBackend
+from trl_async.rollout.pool import PoolSettings, RolloutPool, RolloutWorkerError, ScoredGroup
+from trl_async.rollout.prompts import PromptStream
 from trl_async.tiny import build_char_tokenizer, build_tiny_model
-from trl_async.worker import WorkerSpec
-from trl_async.worker_process import ProcessBackend
 
 G = 2  # completions per group
 

@@ -1,7 +1,7 @@
 import pytest
 from trl.trainer.utils import RepeatSampler
 
-from trl_async.prompts import PromptStream
+from trl_async.rollout.prompts import PromptStream
 
 pytestmark = pytest.mark.unit  # pure functions: part of the fast `pytest -m unit` subset
 

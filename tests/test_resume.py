@@ -88,7 +88,6 @@ def test_resume_after_out_of_order_groups_neither_repeats_nor_skips_prompts(tmp_
     scores the next groups meanwhile), so the prompts trained by the checkpoint are not the first ones of the
     sampler's order. The resumed run must train the held-back prompt and nothing twice."""
     import threading
-    import time
 
     from trl.trainer.utils import RepeatSampler
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from trl_async.scoring import RewardFunctionError, RewardScorer, decode_completions
+from trl_async.rollout.scoring import RewardFunctionError, RewardScorer, decode_completions
 from trl_async.tiny import build_char_tokenizer
 
 

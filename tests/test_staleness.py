@@ -1,6 +1,6 @@
 import pytest
 
-from trl_async.staleness import is_fresh, max_groups_admitted, staleness
+from trl_async.rollout.staleness import is_fresh, max_groups_admitted, staleness
 
 pytestmark = pytest.mark.unit  # pure functions: part of the fast `pytest -m unit` subset
 

@@ -162,7 +162,7 @@ def test_episodes_wait_for_tools_concurrently(tmp_path, tool_model_dir):
                                tools=[multiply])  # fmt: skip
     trainer.train()
     spans.sort()
-    overlapping = sum(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:]))
+    overlapping = sum(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:], strict=False))
     assert len(spans) >= 4 and overlapping >= 1, spans
 
 

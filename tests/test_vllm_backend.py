@@ -16,12 +16,12 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
-from trl_async.gloo_transfer import plan_buckets, receive_buckets, send_buckets
-from trl_async.rollout_pool import RolloutWorkerError
-from trl_async.vllm_backend import cut_after_eos
-from trl_async.vllm_client import VLLMServer, VLLMServerError, completions_from_response, token_versions
-from trl_async.vllm_weights import VLLMWeightPusher, free_port
-from trl_async.weight_sync import iter_policy_buckets, policy_specs
+from trl_async.engines.vllm.backend import cut_after_eos
+from trl_async.engines.vllm.client import VLLMServer, VLLMServerError, completions_from_response, token_versions
+from trl_async.engines.vllm.weights import VLLMWeightPusher, free_port
+from trl_async.rollout.pool import RolloutWorkerError
+from trl_async.sync.gloo import plan_buckets, receive_buckets, send_buckets
+from trl_async.sync.policy import iter_policy_buckets, policy_specs
 
 # ---- no server ------------------------------------------------------------------------------------------------
 
@@ -47,7 +47,7 @@ def test_cut_after_first_eos():
 
 
 def _receive(port, names, dtypes, shapes, bucket_bytes, out):
-    from trl_async.gloo_transfer import open_group
+    from trl_async.sync.gloo import open_group
 
     group = open_group("127.0.0.1", port, 1, 2, 30)
     out.put(
@@ -56,7 +56,7 @@ def _receive(port, names, dtypes, shapes, bucket_bytes, out):
 
 
 def test_gloo_buckets_arrive_intact_across_processes():
-    from trl_async.gloo_transfer import open_group
+    from trl_async.sync.gloo import open_group
 
     tensors = {
         "a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
@@ -81,8 +81,8 @@ def test_gloo_buckets_arrive_intact_across_processes():
 
 
 def test_a_lane_whose_server_is_gone_reports_the_failure_naming_it():
+    from trl_async.engines.vllm.backend import VLLMLane, VLLMLaneSpec
     from trl_async.records import RolloutTask, WorkerFailed
-    from trl_async.vllm_backend import VLLMLane, VLLMLaneSpec
 
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     spec = VLLMLaneSpec(
@@ -171,9 +171,9 @@ def _pool_over(stubs, queue_size, timeout_s=30.0):
     talking to ``stubs``; only the start-up checks and the weight push are left out."""
     from types import SimpleNamespace
 
-    from trl_async.prompts import PromptStream
-    from trl_async.rollout_pool import PoolSettings, RolloutPool, ScoredGroup
-    from trl_async.vllm_backend import VLLMBackend, VLLMLaneSpec
+    from trl_async.engines.vllm.backend import VLLMBackend, VLLMLaneSpec
+    from trl_async.rollout.pool import PoolSettings, RolloutPool, ScoredGroup
+    from trl_async.rollout.prompts import PromptStream
 
     backend = VLLMBackend.__new__(VLLMBackend)
     backend.specs = [
@@ -439,3 +439,53 @@ def test_a_null_logprob_from_the_server_becomes_nan_not_a_type_error():
     first, second = completions_from_response(response, "http://server")
     assert first.token_ids == (5,) and first.logprobs == (-1.0,) and first.finish_reason == "stop"
     assert second.logprobs[0] == -0.5 and math.isnan(second.logprobs[1])
+
+
+def test_a_task_of_contexts_gets_one_completion_per_context_sampled_from_its_own_context(vllm_server, vllm_model_dir):
+    """Later turns and rollout_generate: a task of several contexts (two of them the same) gets one completion per
+    context, each continuing its own context (mu equals a teacher-forced forward of the pushed weights on that
+    context), cut to the task's max_new_tokens, returned with the task's rows."""
+    from trl_async.engines.vllm.backend import VLLMLane, VLLMLaneSpec
+    from trl_async.records import RolloutTask
+
+    model = _perturbed(vllm_model_dir, seed=6)
+    _push(VLLMServer(vllm_server.url), model, version=21)
+    params = {"n": 4, "temperature": 1.0, "max_tokens": 12, "logprobs": 0, "detokenize": False, "ignore_eos": True}
+    lane = VLLMLane(VLLMLaneSpec(0, vllm_server.url, params, (), seed=0, max_requests=2, request_timeout_s=60,
+                                 retry_s=1), max_outstanding=4)  # fmt: skip
+    contexts = ((5, 6, 7, 8, 9), (20, 3, 11), (5, 6, 7, 8, 9), (40, 41))
+    task = RolloutTask(3, 0, contexts[0], 21, contexts=contexts, rows=(10, 11, 12, 13), max_new_tokens=5)
+    try:
+        lane.send([task])
+        assert lane.results.poll(60)
+        group = lane.results.recv()
+    finally:
+        lane.kill()
+    assert group.rows == (10, 11, 12, 13) and group.key == task.key and len(group.completion_ids) == 4
+    assert all(len(ids) == 5 for ids in group.completion_ids)  # the task's budget, not the lane's 12
+    assert group.completion_ids[0] != group.completion_ids[2]  # the same context twice: two samples, not one copy
+    for context, ids, logprobs, versions in zip(contexts, group.completion_ids, group.logprobs, group.versions,
+                                                strict=True):  # fmt: skip
+        assert versions == (21,) * 5
+        with torch.no_grad():
+            logits = model(torch.tensor([list(context) + list(ids)])).logits[0, len(context) - 1 : -1]
+        reference = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(logprobs), reference, rtol=0, atol=1e-3)
+
+
+def test_a_rollout_func_trains_against_the_server(tmp_path, vllm_server, vllm_model_dir):
+    from .test_rollout_func import MultiTurn
+
+    rollout = MultiTurn()
+    args = _vllm_args(tmp_path, vllm_server.url, max_steps=2, max_staleness=1, max_completion_length=16)
+    trainer = AsyncGRPOTrainer(model=vllm_model_dir, reward_funcs=lambda completions, **kw: [len(c) / 9 for c in completions],
+                               args=args, train_dataset=_dataset(), rollout_func=rollout)  # fmt: skip
+    trainer.train()
+    rows = [json.loads(x) for x in (tmp_path / "traj.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [s for s in range(2) for _ in range(8)]
+    for r in rows:  # two turns of 2 and 3 tokens (ignore_eos is not set: a turn may end early) around 3 masked ones
+        n = len(r["completion_ids"])
+        assert r["tool_mask"].count(0) == 3 and r["completion_ids"][r["tool_mask"].index(0):][:3] == MultiTurn.ENV
+        assert r["staleness"] == r["step"] - min(r["versions"]) <= 1 and n <= 8
+    for first, second in rollout.calls:  # both turns' tokens were labelled by the server with pushed versions
+        assert all(v in (0, 1, 2) for turn in (first, second) for row in turn["versions"] for v in row)

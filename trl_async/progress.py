@@ -69,3 +69,23 @@ def print_summary(title: str, summary: dict) -> None:
     print(f"\n=== {title} ===")
     for key, value in summary.items():
         print(f"{key:>26}: {value}")
+
+
+def batch_metrics(stats, groups, max_staleness: int, worker_restarts: int, abandoned_groups: int | None) -> dict:
+    """The ``async/`` metrics of one consumed generation batch (``stats``: the pool's ``TakeStats``)."""
+    staleness = stats.staleness
+    out = {"async/staleness_mean": sum(staleness) / len(staleness), "async/staleness_max": max(staleness)}
+    for k in range(max_staleness + 1):  # histogram: samples per staleness in this batch
+        out[f"async/staleness_k{k}"] = staleness.count(k)
+    out.update({
+        "async/queue_size": stats.queue_size,
+        "async/trainer_wait_s": stats.wait_s,
+        "async/dropped_stale": stats.dropped_samples_total,
+        "async/gen_tokens_per_s": stats.gen_tokens_per_s,
+        # reward functions that returned None/NaN: GRPOTrainer ignores those values (nansum), we count them
+        "async/reward_nan": sum(int(g.rewards.isnan().sum()) for g in groups),
+        "async/worker_restarts": worker_restarts,
+    })  # fmt: skip
+    if abandoned_groups is not None:  # environments: groups skipped because their reset raised
+        out["async/abandoned_groups"] = abandoned_groups
+    return out

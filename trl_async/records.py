@@ -6,7 +6,7 @@ the trainer. Everything here is plain data: lists of ints/floats, picklable thro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +53,7 @@ class RolloutGroup:
     generate_s: float  # wall time of the generate call that produced this group (shared by its batch)
     generate_started_at: float = 0.0  # time.time() when that call started (comparable across processes)
     rows: tuple[int, ...] = ()  # a later turn: the episodes these completions continue (RolloutTask.rows)
-    # multi-turn episodes, assembled by the trainer process (episodes.py); empty for single-turn groups.
+    # multi-turn episodes, assembled by the trainer process (rollout/episodes.py); empty for single-turn groups.
     # ``tool_mask[i][t]`` is 1 for a sampled token, 0 for a tool-result token (no mu: its logprob is a 0.0
     # placeholder and its version that of the model token before it); ``completions`` are the parsed messages
     # reward functions receive; ``turns`` the per-turn record (version, tool calls, results) for trajectories.
@@ -65,6 +65,8 @@ class RolloutGroup:
     tool_calls: tuple[int, ...] = ()  # per episode
     tool_failures: tuple[int, ...] = ()
     turns: tuple = ()
+    # rollout_func: the fields of its output that reach the reward functions (a list: one value per completion)
+    extra_fields: dict = field(default_factory=dict)
 
     @property
     def key(self) -> tuple[int, tuple[int, ...]]:

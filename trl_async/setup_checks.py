@@ -3,10 +3,15 @@ reason and what to do instead; harmless oddities only warn."""
 
 from __future__ import annotations
 
+import math
 import os
 
+import torch
+from accelerate.utils import is_peft_model
+from datasets import IterableDataset
 from torch import nn
 from transformers.utils import logging
+from trl.data_utils import is_conversational
 
 logger = logging.get_logger(__name__)
 
@@ -67,3 +72,88 @@ def check_vocabulary(tokenizer, vocab: int | None) -> None:
         "embedding table. Training goes on (the pad token is inside it); a prompt containing one of them fails with "
         "its row named."
     )
+
+
+def refuse_before_loading(model, args, train_dataset, quantization_config, rollout_func, tools,
+                          environment_factory) -> None:  # fmt: skip
+    """What AsyncGRPOTrainer refuses among GRPOTrainer's arguments, checked before any model is loaded."""
+    if rollout_func is not None and (tools or environment_factory is not None):
+        raise NotImplementedError(
+            "AsyncGRPOTrainer runs `rollout_func` without `tools`/`environment_factory`: a rollout_func owns its "
+            "whole rollout, so call your tools or environment inside it (trl_async/rollout/custom_rollouts.py)."
+        )
+    refused = unsupported_setup(model, args, quantization_config)
+    if refused:
+        raise NotImplementedError(
+            f"AsyncGRPOTrainer does not support {refused}: its rollout workers receive the full, unquantized "
+            "policy weights after every sync. Supported: one process, DDP, DeepSpeed ZeRO-2 and ZeRO-3, and LoRA "
+            "on an unquantized base model. Use trl.GRPOTrainer for this set-up."
+        )
+    if args is not None and getattr(args, "use_vllm", False):
+        raise ValueError(
+            "AsyncGRPOTrainer generates in its own rollout workers: leave `use_vllm=False` and choose the engine "
+            "with `AsyncGRPOConfig.rollout_backend`."
+        )
+    if train_dataset is not None and not isinstance(train_dataset, IterableDataset) and len(train_dataset) == 0:
+        raise ValueError("train_dataset is empty: AsyncGRPOTrainer needs at least one prompt to generate from.")
+    if isinstance(train_dataset, IterableDataset):
+        raise NotImplementedError(
+            "AsyncGRPOTrainer needs a map-style `train_dataset` (rollout workers read prompts ahead of the trainer "
+            "by index); convert it with `Dataset.from_generator` or `datasets.Dataset.from_list`."
+        )
+
+
+def check_after_loading(trainer) -> None:
+    """What can only be checked once GRPOTrainer has set the trainer up (its model, tokenizer and arguments)."""
+    if trainer._is_vlm:
+        raise NotImplementedError("AsyncGRPOTrainer does not support vision-language models (image inputs) yet.")
+    data = trainer.train_dataset
+    if trainer.tools and data is not None and "prompt" in data.column_names and not is_conversational(data[0]):
+        raise ValueError(
+            "`tools` need conversational prompts (lists of messages): tool calls are parsed from assistant turns "
+            "with the chat template's response schema (GRPOTrainer's tool loop fails on plain-text prompts too)."
+        )
+    per_batch = trainer.args.steps_per_generation * trainer.num_iterations
+    if per_batch % trainer.args.gradient_accumulation_steps != 0:
+        raise ValueError(
+            f"steps_per_generation * num_iterations ({per_batch}) must be a multiple of "
+            f"gradient_accumulation_steps ({trainer.args.gradient_accumulation_steps}) so that every generation batch "
+            "is consumed at one policy version; set steps_per_generation to a multiple of it."
+        )
+    if trainer.async_args.rollout_device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(
+            f"AsyncGRPOConfig.rollout_device={trainer.async_args.rollout_device!r} but CUDA is not available; "
+            "use rollout_device='cpu'."
+        )
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    check_vocabulary(trainer._tokenizer, getattr(model.config, "vocab_size", None))
+    if is_peft_model(model):
+        check_lora_on_tied_embeddings(model)
+    a = trainer.async_args
+    cpu_workers = a.rollout_backend == "transformers" and a.rollout_device == "cpu"
+    if cpu_workers and trainer.accelerator.device.type == "cpu" and os.environ.get("OMP_WAIT_POLICY") != "PASSIVE":
+        logger.warning(
+            "The trainer and its rollout workers share the CPU cores, and OMP_WAIT_POLICY is not PASSIVE: the "
+            "trainer's idle OpenMP threads spin and take cycles from the workers (with neither side passive: 0.87x "
+            "the steps per minute on 2 cores, benchmarks/README.md). Set OMP_WAIT_POLICY=PASSIVE in the "
+            "environment before torch is imported (the recipes do); workers get it by default."
+        )
+    if trainer.args.use_transformers_continuous_batching:
+        logger.warning("use_transformers_continuous_batching is ignored: rollout workers use `generate`.")
+
+
+def pool_geometry(args, num_generations: int, async_args) -> tuple[int, int, int, int]:
+    """``(groups per generation batch, optimizer steps per batch, queue size, groups per generate call)``, with the
+    queue checked against one batch."""
+    groups_per_batch = args.generation_batch_size // num_generations
+    steps_per_batch = args.steps_per_generation * getattr(args, "num_iterations", 1) // args.gradient_accumulation_steps
+    queue_default = (async_args.max_staleness // steps_per_batch + 1) * groups_per_batch
+    queue_size = async_args.rollout_queue_size or queue_default
+    if queue_size < groups_per_batch:
+        raise ValueError(
+            f"AsyncGRPOConfig.rollout_queue_size={queue_size} is smaller than one generation batch "
+            f"({groups_per_batch} groups = generation_batch_size // num_generations): the trainer could never "
+            f"get a full batch. Set rollout_queue_size >= {groups_per_batch} or leave it None."
+        )
+    per_call = async_args.rollout_batch_groups or math.ceil(groups_per_batch / async_args.num_rollout_workers)
+    return groups_per_batch, steps_per_batch, queue_size, per_call

@@ -143,7 +143,7 @@ def fit_sequences(model, sequences: list[tuple[list[int], list[int]]], steps: in
 
 
 def build_tool_model(path: str | Path, episodes: dict[str, list[tuple[str, list[str]]]], tools: list,
-                     fit_steps: int = 400, hidden_size: int = 64, num_layers: int = 2) -> Path:  # fmt: skip
+                     fit_steps: int = 400, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4) -> Path:  # fmt: skip
     """Save a tiny tool-calling model under ``path`` whose turns follow ``episodes``: for each user prompt, a list
     of ``(assistant turn text, tool results after it)``; the model is fitted to say turn ``r + 1`` after turn ``r``
     followed by any of those results (the last turn has none). A turn that is a call is written as
@@ -191,7 +191,7 @@ def build_tool_model(path: str | Path, episodes: dict[str, list[tuple[str, list[
                 ids += GRPOTrainer._get_tool_suffix_ids(owner, [messages[i + 1]])
             sequences.append((ids, tokenizer.encode(text + "<|im_end|>", add_special_tokens=False)))
     longest = max(len(c) + len(t) for c, t in sequences)
-    model = build_tiny_model(tokenizer, hidden_size=hidden_size, num_layers=num_layers,
+    model = build_tiny_model(tokenizer, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
                              max_position_embeddings=4 * longest)  # fmt: skip
     loss = fit_sequences(model, sequences, steps=fit_steps)
     if loss > 0.05:

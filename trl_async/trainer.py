@@ -11,38 +11,31 @@ with the trainer's weights, exactly as GRPOTrainer does.
 
 from __future__ import annotations
 
-import copy
 import datetime
-import math
-import os
 import threading
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from accelerate.utils import broadcast_object_list, gather, is_peft_model
-from datasets import IterableDataset
+from accelerate.utils import broadcast_object_list, gather
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState, ProgressCallback
 from transformers.utils import logging
 from trl import GRPOTrainer
-from trl.data_utils import is_conversational
 from trl.models.utils import disable_gradient_checkpointing
 
 from .config import async_fields_of
 from .correction import off_policy_correction
-from .episodes import EnvironmentPool, EpisodeRunner
-from .progress import AsyncProgressCallback
-from .prompts import PromptStream
+from .pool_setup import start_pool
+from .progress import AsyncProgressCallback, batch_metrics
 from .records import RolloutGroup
-from .rollout_pool import PoolSettings, RolloutPool, ScoredGroup
-from .scoring import RewardScorer, decode_completions, unsharded_reward_models
-from .setup_checks import check_lora_on_tied_embeddings, check_vocabulary, unsupported_setup
-from .tool_calls import ToolRunner, split_tools
+from .rollout.custom_rollouts import RolloutFuncRunner, generate_with_trainer_model, replayed_output
+from .rollout.pool import RolloutPool, ScoredGroup
+from .rollout.scoring import RewardScorer, unsharded_reward_models
+from .rollout.tool_calls import ToolRunner
+from .setup_checks import check_after_loading, pool_geometry, refuse_before_loading
+from .sync.policy import iter_policy_buckets
 from .trajectories import append_jsonl, trajectory_records
-from .weight_sync import iter_policy_buckets, policy_specs
-from .worker import WorkerSpec
-from .worker_process import ProcessBackend
 
 logger = logging.get_logger(__name__)
 
@@ -93,30 +86,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         rollout_func=None,
         environment_factory=None,
     ):
-        if rollout_func is not None:
-            raise NotImplementedError(
-                "AsyncGRPOTrainer does not support `rollout_func` yet: a custom rollout needs a contract for the policy "
-                "version its weights carried. Use trl.GRPOTrainer for `rollout_func`."
-            )
-        refused = unsupported_setup(model, args, quantization_config)
-        if refused:
-            raise NotImplementedError(
-                f"AsyncGRPOTrainer does not support {refused}: its rollout workers receive the full, unquantized "
-                "policy weights after every sync. Supported: one process, DDP, DeepSpeed ZeRO-2 and ZeRO-3, and LoRA "
-                "on an unquantized base model. Use trl.GRPOTrainer for this set-up."
-            )
-        if args is not None and getattr(args, "use_vllm", False):
-            raise ValueError(
-                "AsyncGRPOTrainer generates in its own rollout workers: leave `use_vllm=False` and choose the engine "
-                "with `AsyncGRPOConfig.rollout_backend`."
-            )
-        if train_dataset is not None and not isinstance(train_dataset, IterableDataset) and len(train_dataset) == 0:
-            raise ValueError("train_dataset is empty: AsyncGRPOTrainer needs at least one prompt to generate from.")
-        if isinstance(train_dataset, IterableDataset):
-            raise NotImplementedError(
-                "AsyncGRPOTrainer needs a map-style `train_dataset` (rollout workers read prompts ahead of the trainer "
-                "by index); convert it with `Dataset.from_generator` or `datasets.Dataset.from_list`."
-            )
+        refuse_before_loading(model, args, train_dataset, quantization_config, rollout_func, tools, environment_factory)
         super().__init__(
             model=model,
             reward_funcs=reward_funcs,
@@ -130,30 +100,17 @@ class AsyncGRPOTrainer(GRPOTrainer):
             quantization_config=quantization_config,
             peft_config=peft_config,
             tools=tools,
+            rollout_func=rollout_func,
             environment_factory=environment_factory,
         )
         self.async_args = async_fields_of(self.args)
-        self._check_async_supported()
+        check_after_loading(self)
         # under ZeRO-3 a collective: every rank gathers each sharded reward model, the main process keeps a copy
         self._scoring_reward_funcs = unsharded_reward_models(
             self.reward_funcs, self._dist, self.accelerator.is_main_process, self.accelerator.device
         )
-        gen_batch = self.args.generation_batch_size
-        self._groups_per_batch = gen_batch // self.num_generations
-        per_batch = self.args.steps_per_generation * self.num_iterations
-        self._steps_per_batch = per_batch // self.args.gradient_accumulation_steps
-        queue_default = (self.async_args.max_staleness // self._steps_per_batch + 1) * self._groups_per_batch
-        self._queue_size = self.async_args.rollout_queue_size or queue_default
-        if self._queue_size < self._groups_per_batch:
-            raise ValueError(
-                f"AsyncGRPOConfig.rollout_queue_size={self._queue_size} is smaller than one generation batch "
-                f"({self._groups_per_batch} groups = generation_batch_size // num_generations): the trainer could never "
-                f"get a full batch. Set rollout_queue_size >= {self._groups_per_batch} or leave it None."
-            )
-        workers = self.async_args.num_rollout_workers
-        self._rollout_batch_groups = self.async_args.rollout_batch_groups or math.ceil(
-            self._groups_per_batch / workers
-        )
+        geometry = pool_geometry(self.args, self.num_generations, self.async_args)
+        self._groups_per_batch, self._steps_per_batch, self._queue_size, self._rollout_batch_groups = geometry
         self._pool: RolloutPool | None = None  # main process only
         self._scorers: list[RewardScorer] = []  # one per scoring thread of the pool, main process only
         self._tool_runner: ToolRunner | None = None  # with tools, main process only
@@ -166,48 +123,6 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if any(isinstance(c, ProgressCallback) for c in self.callback_handler.callbacks):
             self.remove_callback(ProgressCallback)
             self.add_callback(AsyncProgressCallback(lambda: self._live))
-
-    def _check_async_supported(self) -> None:
-        if self._is_vlm:
-            raise NotImplementedError("AsyncGRPOTrainer does not support vision-language models (image inputs) yet.")
-        data = self.train_dataset
-        if self.tools and data is not None and "prompt" in data.column_names and not is_conversational(data[0]):
-            raise ValueError(
-                "`tools` need conversational prompts (lists of messages): tool calls are parsed from assistant turns "
-                "with the chat template's response schema (GRPOTrainer's tool loop fails on plain-text prompts too)."
-            )
-        if (self.tools or self.environment_factories) and self.async_args.rollout_backend == "vllm":
-            raise NotImplementedError(
-                "AsyncGRPOTrainer runs `tools` and `environment_factory` with its transformers rollout workers only "
-                "for now (rollout_backend='transformers'); the vLLM backend does not continue multi-turn episodes yet."
-            )
-        per_batch = self.args.steps_per_generation * self.num_iterations
-        if per_batch % self.args.gradient_accumulation_steps != 0:
-            raise ValueError(
-                f"steps_per_generation * num_iterations ({per_batch}) must be a multiple of "
-                f"gradient_accumulation_steps ({self.args.gradient_accumulation_steps}) so that every generation batch "
-                "is consumed at one policy version; set steps_per_generation to a multiple of it."
-            )
-        if self.async_args.rollout_device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(
-                f"AsyncGRPOConfig.rollout_device={self.async_args.rollout_device!r} but CUDA is not available; "
-                "use rollout_device='cpu'."
-            )
-        model = self.accelerator.unwrap_model(self.model)
-        check_vocabulary(self._tokenizer, getattr(model.config, "vocab_size", None))
-        if is_peft_model(model):
-            check_lora_on_tied_embeddings(model)
-        a = self.async_args
-        cpu_workers = a.rollout_backend == "transformers" and a.rollout_device == "cpu"
-        if cpu_workers and self.accelerator.device.type == "cpu" and os.environ.get("OMP_WAIT_POLICY") != "PASSIVE":
-            logger.warning(
-                "The trainer and its rollout workers share the CPU cores, and OMP_WAIT_POLICY is not PASSIVE: the "
-                "trainer's idle OpenMP threads spin and take cycles from the workers (with neither side passive: 0.87x "
-                "the steps per minute on 2 cores, benchmarks/README.md). Set OMP_WAIT_POLICY=PASSIVE in the "
-                "environment before torch is imported (the recipes do); workers get it by default."
-            )
-        if self.args.use_transformers_continuous_batching:
-            logger.warning("use_transformers_continuous_batching is ignored: rollout workers use `generate`.")
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
     def train(self, *args, **kwargs):
@@ -237,135 +152,21 @@ class AsyncGRPOTrainer(GRPOTrainer):
         """The running pool during ``train``, else ``None``."""
         return self._pool
 
-    def _start_pool(self) -> RolloutPool:
-        args, a = self.args, self.async_args
-        model = self.accelerator.unwrap_model(self.model)
-        start_version = self.state.global_step
-        settings = PoolSettings(
-            groups_per_batch=self._groups_per_batch,
-            steps_per_batch=self._steps_per_batch,
-            max_staleness=a.max_staleness,
-            queue_size=self._queue_size,
-            timeout_s=a.rollout_timeout_s,
-            start_version=start_version,
-            num_generations=self.num_generations,
-            verify_weights=a.rollout_verify_weights,
-            groups_per_call=self._rollout_batch_groups,
-            max_restarts=a.rollout_max_restarts,
-            heartbeat_timeout_s=a.rollout_heartbeat_timeout_s,
-            scoring_threads=a.rollout_scoring_threads,
-        )
-        saved = self.state.stateful_callbacks.get(PromptProgress.__name__) if start_version else None
-        episodes = self._episode_runner_factory() if (self.tools or self.environment_factories) else None
-        prompts = PromptStream(
-            len(self.train_dataset),
-            self._groups_per_batch,
-            shuffle=self.shuffle_dataset,
-            seed=args.seed,
-            skip_batches=start_version // self._steps_per_batch,  # a checkpoint without PromptProgress
-            progress=saved["args"] if isinstance(saved, dict) else None,
-        )
-        backend = self._vllm_backend(model) if a.rollout_backend == "vllm" else self._process_backend(model)
-        return RolloutPool(backend, settings, prompts, self._make_tokenize_row(), self._make_score_group(), episodes)
-
-    def _episode_runner_factory(self):
-        """Multi-turn episodes with ``tools`` (episodes.py): parsed and rendered with GRPOTrainer's own response
-        parser, chat template and tool-suffix rendering, on copies made here (the runner's thread owns them)."""
-        a = self.async_args
-        self._tool_runner = ToolRunner(a.rollout_tool_threads, a.rollout_tool_timeout_s, getattr(self, "async_loop", None))
-        config = self.accelerator.unwrap_model(self.model).config
-        kwargs = dict(
-            tokenizer=copy.deepcopy(self._tokenizer), chat_template=self.chat_template,
-            chat_template_kwargs=dict(self.chat_template_kwargs), tools=list(self.tools),
-            max_rounds=self.max_tool_calling_iterations, max_completion_length=self.max_completion_length,
-            max_model_len=getattr(config, "max_position_embeddings", None), tool_runner=self._tool_runner,
-            tool_dicts=split_tools(self.tools), num_generations=self.num_generations,
-        )  # fmt: skip
-        if self.environment_factories is not None:  # each episode: its own instance, reset, methods as tools
-            kwargs.update(
-                environments=EnvironmentPool(dict(self.environment_factories)), dataset=self.train_dataset,
-                standalone_tools=list(self._standalone_tools), schema_tools=dict(self._env_tools),
-                multi_environment=self._multi_environment,
-            )  # fmt: skip
-        return lambda **callbacks: EpisodeRunner(**kwargs, **callbacks)
-
-    def _process_backend(self, model) -> ProcessBackend:
-        args, a = self.args, self.async_args
-        base = model.get_base_model() if is_peft_model(model) else model
-        specs = [
-            WorkerSpec(
-                worker_id=i,
-                model_class=type(base),
-                model_config=base.config,
-                dtype=a.resolved_rollout_dtype(next(base.parameters()).dtype, args.bf16, args.fp16),
-                device=a.rollout_device,
-                generation_config=self.generation_config,
-                num_generations=self.num_generations,
-                eos_token_ids=tuple(self.eos_token_ids),
-                pad_token_id=self._tokenizer.pad_token_id,
-                weight_update=a.resolved_weight_update,
-                torch_threads=a.resolved_rollout_threads,
-                nice=a.resolved_rollout_nice,
-                seed=args.seed + 1 + i + 100_003 * self.state.global_step,
-                verify_weights=a.rollout_verify_weights,
+    def rollout_generate(self, prompt_ids, max_new_tokens: int | None = None) -> dict:
+        """For ``rollout_func``: one sampled completion per token-id list, as ``completion_ids``, ``logprobs`` (mu)
+        and ``versions`` (of each token's weights). During training (the background call of each group) the rollout
+        workers sample; elsewhere, e.g. in evaluation on the main thread, the trainer's own model does, as
+        GRPOTrainer would (no log-probs: NaN)."""
+        runner = self._pool._episodes if self._pool is not None else None
+        if isinstance(runner, RolloutFuncRunner) and runner.in_rollout:
+            return runner.generate(prompt_ids, max_new_tokens)
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError(
+                "rollout_generate was called on a background thread outside a running rollout (training has ended, "
+                "or a thread of your own called it on the trainer: sample through the `trainer` your rollout_func "
+                "was given); the training model is not used off the main thread"
             )
-            for i in range(a.num_rollout_workers)
-        ]
-        return ProcessBackend(specs, policy_specs(model), self._rollout_batch_groups)
-
-    def _vllm_urls(self) -> list[str]:
-        args = self.args
-        if self.async_args.rollout_vllm_urls:
-            return list(self.async_args.rollout_vllm_urls)
-        if args.vllm_server_base_url:
-            return [args.vllm_server_base_url]
-        return [f"http://{args.vllm_server_host}:{args.vllm_server_port}"]
-
-    def _vllm_transport(self) -> str:
-        transport = self.async_args.rollout_vllm_weight_transport
-        if transport == "auto":
-            return "nccl" if self.accelerator.device.type == "cuda" else "gloo"
-        return transport
-
-    def _vllm_backend(self, model):
-        from .vllm_backend import VLLMBackend, VLLMLaneSpec
-
-        args, a = self.args, self.async_args
-        sampling = {
-            "n": self.num_generations,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": -1 if self.top_k is None else self.top_k,
-            "min_p": 0.0 if self.min_p is None else self.min_p,
-            "repetition_penalty": self.repetition_penalty,
-            "max_tokens": self.max_completion_length,
-            "stop_token_ids": list(self.eos_token_ids),
-            "logprobs": 0,
-            "detokenize": False,
-            **(args.generation_kwargs or {}),
-        }
-        specs = [
-            VLLMLaneSpec(
-                worker_id=i,
-                url=url,
-                sampling_params=sampling,
-                eos_token_ids=tuple(self.eos_token_ids),
-                seed=args.seed + 1_000_003 * (i + 1) + 100_003 * self.state.global_step,
-                max_requests=a.rollout_vllm_max_requests or min(self._queue_size, 256),  # a thread each
-                request_timeout_s=a.rollout_timeout_s,
-                retry_s=a.rollout_vllm_retry_s,
-            )
-            for i, url in enumerate(self._vllm_urls())
-        ]
-        return VLLMBackend(
-            specs,
-            max_outstanding=self._queue_size,
-            weight_specs=policy_specs(model, persistent_only=True),
-            transport=self._vllm_transport(),
-            bucket_bytes=int(a.weight_sync_bucket_mb * 2**20),
-            pause_mode="keep" if a.resolved_weight_update == "decode_step" else "wait",
-            startup_timeout_s=args.vllm_server_timeout,
-        )
+        return generate_with_trainer_model(self, prompt_ids, max_new_tokens)
 
     def _ensure_pool(self) -> None:
         """Start the workers (main process only) and publish the current weights as the first version. Every rank
@@ -375,7 +176,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if self.accelerator.num_processes > 1 and self.accelerator.is_main_process != (dist.get_rank() == 0):
             raise RuntimeError("the main process must be torch.distributed rank 0: weight sync streams to rank 0")
         if self.accelerator.is_main_process:
-            self._pool = self._start_pool()
+            self._pool = start_pool(self)
         self._pool_started = True
         self._publish_weights(self.state.global_step)
 
@@ -429,90 +230,6 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self._publish_weights(step)
 
     # ---- background helpers (run on the pool's threads; no collectives, own tokenizer copies) ----------------------
-    def _make_tokenize_row(self):
-        tokenizer = copy.deepcopy(self.processing_class)
-        dataset, chat_template, template_kwargs = self.train_dataset, self.chat_template, self.chat_template_kwargs
-        tools = list(self.tools or []) or None  # as GRPOTrainer._tokenize_prompts renders them
-        config = self.accelerator.unwrap_model(self.model).config
-        limit = getattr(config, "max_position_embeddings", None)
-        vocab = getattr(config, "vocab_size", None)
-        completion = self.max_completion_length
-
-        def tokenize_row(index: int) -> tuple[int, ...]:
-            ids = _tokenize(index)
-            past = [t for t in ids if vocab is not None and t >= vocab]
-            if past:
-                raise ValueError(
-                    f"train_dataset row {index}: the prompt has token id {past[0]} "
-                    f"({tokenizer.convert_ids_to_tokens(past[0])!r}), past the model's vocabulary of {vocab}. Remove "
-                    "it from the data, or call model.resize_token_embeddings(len(tokenizer)) before building the "
-                    "trainer."
-                )
-            if limit is not None and len(ids) + completion > limit:
-                # checked as each prompt is first used (tokenizing a whole dataset up front would be slow)
-                raise ValueError(
-                    f"train_dataset row {index}: the prompt is {len(ids)} tokens, and with max_completion_length="
-                    f"{completion} that exceeds the model's max_position_embeddings={limit}. Filter long prompts "
-                    "out of the dataset or lower max_completion_length."
-                )
-            return ids
-
-        def _tokenize(index: int) -> tuple[int, ...]:
-            prompt = dataset[index]["prompt"]
-            if is_conversational({"prompt": prompt}):
-                out = tokenizer.apply_chat_template(
-                    conversation=[prompt],
-                    tools=tools,
-                    chat_template=chat_template,
-                    add_generation_prompt=True,
-                    tokenize=True,
-                    return_dict=True,
-                    **template_kwargs,
-                )
-                return tuple(out["input_ids"][0])
-            return tuple(tokenizer(text=[prompt])["input_ids"][0])
-
-        return tokenize_row
-
-    def _make_score_group(self):
-        """``score_group`` for the pool's scoring threads: each thread gets its own scorer and tokenizer copies (a
-        fast tokenizer used from two threads at once fails: "Already borrowed"; the main thread keeps the trainer's,
-        which evaluate() uses). Reward models and functions themselves are shared."""
-        local = threading.local()
-        self._scorers = scorers = []
-        dataset, group_size = self.train_dataset, self.num_generations
-
-        def own() -> tuple:
-            if not hasattr(local, "scorer"):
-                local.tokenizer = copy.deepcopy(self.processing_class)
-                local.scorer = RewardScorer(
-                    self._scoring_reward_funcs,
-                    copy.deepcopy(self.reward_processing_classes),
-                    self.reward_func_names,
-                    self.chat_template_kwargs,
-                    self.accelerator.device,
-                    trainer_state=lambda: self.state,
-                    event_loop=getattr(self, "async_loop", None),  # GRPOTrainer's loop, if any reward is async
-                )
-                scorers.append(local.scorer)
-            return local.tokenizer, local.scorer
-
-        def score_group(group: RolloutGroup, environments: list | None = None) -> ScoredGroup:
-            tokenizer, scorer = own()
-            row = dataset[group.prompt_index]
-            # environments: each episode's prompt carries its reset observation, as GRPOTrainer passes it
-            rows = [{**row, "prompt": p} for p in group.row_prompts] if group.row_prompts else [row] * group_size
-            conversational = is_conversational({"prompt": rows[0]["prompt"]})
-            prompt_ids = list(group.row_prompt_ids) or [group.prompt_ids] * group_size
-            if group.completions:  # multi-turn: the parsed messages of each episode, as GRPOTrainer's loop builds them
-                completions = [list(c) for c in group.completions]
-            else:
-                completions = decode_completions(tokenizer, prompt_ids, group.completion_ids, conversational)
-            rewards, extra_logs, metrics = scorer.score(rows, completions, list(group.completion_ids), environments)
-            return ScoredGroup(group, 0, rewards, extra_logs, metrics)
-
-        return score_group
-
     # ---- the generation seam ---------------------------------------------------------------------------------------
     def _generate_and_score_completions(self, inputs):
         if not self.model.training:
@@ -536,6 +253,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
         # own again, and sees each row's prompt as the episode saw it
         factories, self.environment_factories = self.environment_factories, None
         environments, self.environments = self.environments, None  # an evaluation may have left its own
+        # rollout_func ran in the background: GRPOTrainer gets its recorded output for these rows instead
+        rollout_func = self.rollout_func
+        if rollout_func is not None:
+            self.rollout_func = lambda prompts, trainer: replayed_output([(g.group, j) for g, j in local])
         try:
             output = super()._generate_and_score_completions(
                 [{**self.train_dataset[g.group.prompt_index], "prompt": g.group.row_prompts[j]}
@@ -544,26 +265,21 @@ class AsyncGRPOTrainer(GRPOTrainer):
         finally:
             self._consuming = None
             self.environment_factories, self.environments = factories, environments
+            self.rollout_func = rollout_func
         self._add_off_policy_inputs(output)
         if self.async_args.rollout_trajectory_file:
             self._log_trajectories(local, output["advantages"])
         metrics = self._metrics["train"]
-        metrics["async/staleness_mean"].append(sum(stats.staleness) / len(stats.staleness))
-        metrics["async/staleness_max"].append(max(stats.staleness))
-        for k in range(self.async_args.max_staleness + 1):  # histogram: samples per staleness in this batch
-            metrics[f"async/staleness_k{k}"].append(stats.staleness.count(k))
-        metrics["async/queue_size"].append(stats.queue_size)
-        metrics["async/trainer_wait_s"].append(stats.wait_s)
-        metrics["async/dropped_stale"].append(stats.dropped_samples_total)
-        metrics["async/gen_tokens_per_s"].append(stats.gen_tokens_per_s)
-        # reward functions that returned None/NaN: GRPOTrainer ignores those values (nansum), we count them
-        metrics["async/reward_nan"].append(sum(int(torch.isnan(g.rewards).sum()) for g in groups))
-        metrics["async/worker_restarts"].append(self._pool.worker_restarts if self._pool is not None else 0)
-        if self.environment_factories is not None:  # groups skipped because their environment's reset raised
-            metrics["async/abandoned_groups"].append(self._pool.abandoned_groups if self._pool is not None else 0)
+        pool = self._pool
+        extra = batch_metrics(stats, groups, self.async_args.max_staleness,
+                              worker_restarts=pool.worker_restarts if pool is not None else 0,
+                              abandoned_groups=None if self.environment_factories is None else
+                              (pool.abandoned_groups if pool is not None else 0))  # fmt: skip
+        for name, value in extra.items():
+            metrics[name].append(value)
         self._live = {
             "reward": metrics["reward"][-1] if metrics.get("reward") else float("nan"),
-            "staleness": sum(stats.staleness) / len(stats.staleness),
+            "staleness": extra["async/staleness_mean"],
             "queue": stats.queue_size,
         }
         return output
@@ -598,7 +314,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             return super()._tool_call_loop(
                 prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
             )
-        # the episodes already ran in the background (episodes.py): hand GRPOTrainer what its loop would return
+        # the episodes already ran in the background (rollout/episodes.py): hand GRPOTrainer what its loop would return
         rows = [(g.group, j) for g, j in self._consuming]
         return (
             [list(group.tool_mask[j]) for group, j in rows],

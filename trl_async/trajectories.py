@@ -50,7 +50,7 @@ def trajectory_records(
         }
         if group.tool_mask:
             record["tool_mask"] = list(group.tool_mask[j])
-            record["turns"] = list(group.turns[j])
+            record["turns"] = list(group.turns[j]) if group.turns else []  # rollout_func's env_mask: no turns
         records.append(record)
     return records
 

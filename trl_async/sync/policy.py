@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .gloo_transfer import plan_buckets
+from .gloo import plan_buckets
 
 
 @dataclass(frozen=True)

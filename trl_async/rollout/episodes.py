@@ -37,7 +37,7 @@ from types import SimpleNamespace
 from trl import GRPOTrainer
 from trl.chat_template_utils import parse_response
 
-from .records import RolloutGroup, RolloutTask
+from ..records import RolloutGroup, RolloutTask
 from .tool_calls import ToolResults, ToolRunner, split_tools
 
 logger = logging.getLogger(__name__)

@@ -24,9 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing import Pipe
 
-from .records import RolloutGroup, RolloutTask, WeightsAdopted, WorkerFailed
-from .vllm_client import VLLMServer, VLLMServerError
-from .vllm_weights import Buckets, VLLMWeightPusher
+from ...records import RolloutGroup, RolloutTask, WeightsAdopted, WorkerFailed
+from .client import VLLMServer, VLLMServerError
+from .weights import Buckets, VLLMWeightPusher
 
 HEALTH_INTERVAL_S = 0.5
 
@@ -65,6 +65,7 @@ class VLLMLane:
         self._tasks: queue.Queue[RolloutTask | None] = queue.Queue()
         self._stopped = threading.Event()
         self._last_healthy = time.time()
+        self._turn_slots = threading.BoundedSemaphore(self.spec.max_requests)  # requests of multi-context tasks
         # daemon threads: a request stuck on a hung server must not keep the interpreter from exiting
         for i in range(self.spec.max_requests):
             threading.Thread(
@@ -142,10 +143,13 @@ class VLLMLane:
     def _generate(self, task: RolloutTask) -> RolloutGroup:
         started_at, start = time.time(), time.perf_counter()
         params = {**self.spec.sampling_params, "seed": self.spec.seed + task.group_id}
-        completions = self.server.generate(task.prompt_ids, params)
+        if task.contexts:  # later turns, or rollout_generate: one completion per context
+            completions = self._generate_contexts(task, params)
+        else:
+            completions = self.server.generate(task.prompt_ids, params)
+            if len(completions) != params["n"]:
+                raise VLLMServerError(f"asked for {params['n']} completions, got {len(completions)}")
         elapsed = time.perf_counter() - start
-        if len(completions) != params["n"]:
-            raise VLLMServerError(f"asked for {params['n']} completions, got {len(completions)}")
         kept = [cut_after_eos(c.token_ids, self.spec.eos_token_ids) for c in completions]
         return RolloutGroup(
             group_id=task.group_id,
@@ -157,7 +161,56 @@ class VLLMLane:
             worker_id=self.worker_id,
             generate_s=elapsed,
             generate_started_at=started_at,
+            rows=task.rows,
         )
+
+    def _generate_contexts(self, task: RolloutTask, params: dict) -> list:
+        """One completion per context of ``task``: one request per distinct context (``n`` = its copies), all at
+        once (at most ``max_requests`` of them per lane); each request seeded by the group, its first row and the
+        context's length, so episodes and their successive turns draw different samples."""
+        if task.max_new_tokens:
+            params = {**params, "max_tokens": task.max_new_tokens}
+        rows_of: dict[tuple[int, ...], list[int]] = {}
+        for i, context in enumerate(task.contexts):
+            rows_of.setdefault(tuple(context), []).append(i)
+        requests = [
+            (context, {**params, "n": len(rows),
+                       "seed": params["seed"] + 7919 * (task.rows[rows[0]] + 1) + 104_729 * len(context)})  # fmt: skip
+            for context, rows in rows_of.items()
+        ]
+        answers = self._generate_all(requests)
+        completions: list = [None] * len(task.contexts)
+        for (context, request), answer in zip(requests, answers, strict=True):
+            if len(answer) != request["n"]:
+                raise VLLMServerError(f"asked for {request['n']} completions, got {len(answer)}")
+            for i, completion in zip(rows_of[context], answer, strict=True):
+                completions[i] = completion
+        return completions
+
+    def _generate_all(self, requests: list[tuple]) -> list:
+        """Each ``(prompt_ids, params)`` request on its own daemon thread (a request stuck on a hung server never
+        keeps the interpreter from exiting), at most ``max_requests`` at once per lane."""
+        if len(requests) == 1:
+            return [self.server.generate(*requests[0])]
+        answers: list = [None] * len(requests)
+        errors: list[BaseException] = []
+
+        def run(i: int) -> None:
+            with self._turn_slots:
+                try:
+                    answers[i] = self.server.generate(*requests[i])
+                except Exception as exc:  # noqa: BLE001 - raised below, on the lane's thread
+                    errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(i,), name=f"trl_async-vllm{self.worker_id}-turn", daemon=True)
+                   for i in range(len(requests))]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return answers
 
 
 class VLLMBackend:

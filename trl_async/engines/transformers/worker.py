@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from .records import RolloutGroup, RolloutTask, WeightsAdopted, WorkerFailed, WorkerReady
-from .weights import SharedMemoryWeights, weights_digest
+from ...records import RolloutGroup, RolloutTask, WeightsAdopted, WorkerFailed, WorkerReady
+from ...sync.shared_memory import SharedMemoryWeights, weights_digest
 
 
 @dataclass(frozen=True)

@@ -25,15 +25,15 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.utils import logging
 
+from ..records import RolloutGroup, RolloutTask, WeightsAdopted, WorkerFailed, WorkerReady
+from ..sync.shared_memory import Digest
 from .prompts import PromptStream
-from .records import RolloutGroup, RolloutTask, WeightsAdopted, WorkerFailed, WorkerReady
 from .staleness import max_groups_admitted, staleness
-from .weights import Digest
-from .worker_process import ProcessBackend
 
 if TYPE_CHECKING:
+    from ..engines.transformers.worker_process import ProcessBackend
+    from ..engines.vllm.backend import VLLMBackend
     from .episodes import EpisodeRunner
-    from .vllm_backend import VLLMBackend
 
 logger = logging.get_logger(__name__)
 

@@ -15,8 +15,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .records import RolloutTask
-from .weights import SharedMemoryWeights
+from ...records import RolloutTask
+from ...sync.shared_memory import SharedMemoryWeights
 from .worker import WorkerSpec, worker_main
 
 STARTUP_GRACE_S = 120.0  # a starting worker imports torch and builds its model before its first heartbeat

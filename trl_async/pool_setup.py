@@ -1,0 +1,264 @@
+"""The rollout pool of one ``AsyncGRPOTrainer``, built from the trainer's settings: the engine (worker processes or
+vLLM servers), the episode or ``rollout_func`` runner, and the closures the pool's background threads call to
+tokenize prompts and score groups (each thread with its own tokenizer copies). Called once per ``train`` on the main
+process; what it creates that the trainer must close later (the tool runner, the scorers) it hands to the trainer
+as ``_tool_runner`` and ``_scorers``."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+from accelerate.utils import is_peft_model
+from trl.data_utils import is_conversational
+
+from .engines.transformers.worker import WorkerSpec
+from .engines.transformers.worker_process import ProcessBackend
+from .records import RolloutGroup
+from .rollout.custom_rollouts import RolloutFuncRunner, with_extra_fields
+from .rollout.episodes import EnvironmentPool, EpisodeRunner
+from .rollout.pool import PoolSettings, RolloutPool, ScoredGroup
+from .rollout.prompts import PromptStream
+from .rollout.scoring import RewardScorer, decode_completions
+from .rollout.tool_calls import ToolRunner, split_tools
+from .sync.policy import policy_specs
+
+
+def start_pool(trainer) -> RolloutPool:
+    args, a = trainer.args, trainer.async_args
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    start_version = trainer.state.global_step
+    settings = PoolSettings(
+        groups_per_batch=trainer._groups_per_batch,
+        steps_per_batch=trainer._steps_per_batch,
+        max_staleness=a.max_staleness,
+        queue_size=trainer._queue_size,
+        timeout_s=a.rollout_timeout_s,
+        start_version=start_version,
+        num_generations=trainer.num_generations,
+        verify_weights=a.rollout_verify_weights,
+        groups_per_call=trainer._rollout_batch_groups,
+        max_restarts=a.rollout_max_restarts,
+        heartbeat_timeout_s=a.rollout_heartbeat_timeout_s,
+        scoring_threads=a.rollout_scoring_threads,
+    )
+    saved = trainer.state.stateful_callbacks.get("PromptProgress") if start_version else None
+    episodes = None
+    if trainer.tools or trainer.environment_factories:
+        episodes = episode_runner_factory(trainer)
+    elif trainer.rollout_func is not None:
+        episodes = rollout_func_runner_factory(trainer)
+    prompts = PromptStream(
+        len(trainer.train_dataset),
+        trainer._groups_per_batch,
+        shuffle=trainer.shuffle_dataset,
+        seed=args.seed,
+        skip_batches=start_version // trainer._steps_per_batch,  # a checkpoint without PromptProgress
+        progress=saved["args"] if isinstance(saved, dict) else None,
+    )
+    backend = vllm_backend(trainer, model) if a.rollout_backend == "vllm" else process_backend(trainer, model)
+    return RolloutPool(backend, settings, prompts, make_tokenize_row(trainer), make_score_group(trainer), episodes)
+
+
+def episode_runner_factory(trainer):
+    """Multi-turn episodes with ``tools`` (rollout/episodes.py): parsed and rendered with GRPOTrainer's own response
+    parser, chat template and tool-suffix rendering, on copies made here (the runner's thread owns them)."""
+    a = trainer.async_args
+    trainer._tool_runner = ToolRunner(a.rollout_tool_threads, a.rollout_tool_timeout_s, getattr(trainer, "async_loop", None))
+    config = trainer.accelerator.unwrap_model(trainer.model).config
+    kwargs = dict(
+        tokenizer=copy.deepcopy(trainer._tokenizer), chat_template=trainer.chat_template,
+        chat_template_kwargs=dict(trainer.chat_template_kwargs), tools=list(trainer.tools),
+        max_rounds=trainer.max_tool_calling_iterations, max_completion_length=trainer.max_completion_length,
+        max_model_len=getattr(config, "max_position_embeddings", None), tool_runner=trainer._tool_runner,
+        tool_dicts=split_tools(trainer.tools), num_generations=trainer.num_generations,
+    )  # fmt: skip
+    if trainer.environment_factories is not None:  # each episode: its own instance, reset, methods as tools
+        kwargs.update(
+            environments=EnvironmentPool(dict(trainer.environment_factories)), dataset=trainer.train_dataset,
+            standalone_tools=list(trainer._standalone_tools), schema_tools=dict(trainer._env_tools),
+            multi_environment=trainer._multi_environment,
+        )  # fmt: skip
+    return lambda **callbacks: EpisodeRunner(**kwargs, **callbacks)
+
+
+def rollout_func_runner_factory(trainer):
+    """``rollout_func`` runs per admitted group on a background thread (rollout/custom_rollouts.py)."""
+    config = trainer.accelerator.unwrap_model(trainer.model).config
+    kwargs = dict(
+        rollout_func=trainer.rollout_func, trainer=trainer, tokenizer=copy.deepcopy(trainer.processing_class),
+        dataset=trainer.train_dataset, num_generations=trainer.num_generations,
+        timeout_s=trainer.async_args.rollout_timeout_s, max_model_len=getattr(config, "max_position_embeddings", None),
+        max_new_tokens=trainer.max_completion_length,
+    )  # fmt: skip
+    return lambda **callbacks: RolloutFuncRunner(**kwargs, **callbacks)
+
+
+def process_backend(trainer, model) -> ProcessBackend:
+    args, a = trainer.args, trainer.async_args
+    base = model.get_base_model() if is_peft_model(model) else model
+    specs = [
+        WorkerSpec(
+            worker_id=i,
+            model_class=type(base),
+            model_config=base.config,
+            dtype=a.resolved_rollout_dtype(next(base.parameters()).dtype, args.bf16, args.fp16),
+            device=a.rollout_device,
+            generation_config=trainer.generation_config,
+            num_generations=trainer.num_generations,
+            eos_token_ids=tuple(trainer.eos_token_ids),
+            pad_token_id=trainer._tokenizer.pad_token_id,
+            weight_update=a.resolved_weight_update,
+            torch_threads=a.resolved_rollout_threads,
+            nice=a.resolved_rollout_nice,
+            seed=args.seed + 1 + i + 100_003 * trainer.state.global_step,
+            verify_weights=a.rollout_verify_weights,
+        )
+        for i in range(a.num_rollout_workers)
+    ]
+    return ProcessBackend(specs, policy_specs(model), trainer._rollout_batch_groups)
+
+
+def vllm_urls(trainer) -> list[str]:
+    args = trainer.args
+    if trainer.async_args.rollout_vllm_urls:
+        return list(trainer.async_args.rollout_vllm_urls)
+    if args.vllm_server_base_url:
+        return [args.vllm_server_base_url]
+    return [f"http://{args.vllm_server_host}:{args.vllm_server_port}"]
+
+
+def vllm_transport(trainer) -> str:
+    transport = trainer.async_args.rollout_vllm_weight_transport
+    if transport == "auto":
+        return "nccl" if trainer.accelerator.device.type == "cuda" else "gloo"
+    return transport
+
+
+def vllm_backend(trainer, model):
+    from .engines.vllm.backend import VLLMBackend, VLLMLaneSpec
+
+    args, a = trainer.args, trainer.async_args
+    sampling = {
+        "n": trainer.num_generations,
+        "temperature": trainer.temperature,
+        "top_p": trainer.top_p,
+        "top_k": -1 if trainer.top_k is None else trainer.top_k,
+        "min_p": 0.0 if trainer.min_p is None else trainer.min_p,
+        "repetition_penalty": trainer.repetition_penalty,
+        "max_tokens": trainer.max_completion_length,
+        "stop_token_ids": list(trainer.eos_token_ids),
+        "logprobs": 0,
+        "detokenize": False,
+        **(args.generation_kwargs or {}),
+    }
+    specs = [
+        VLLMLaneSpec(
+            worker_id=i,
+            url=url,
+            sampling_params=sampling,
+            eos_token_ids=tuple(trainer.eos_token_ids),
+            seed=args.seed + 1_000_003 * (i + 1) + 100_003 * trainer.state.global_step,
+            max_requests=a.rollout_vllm_max_requests or min(trainer._queue_size, 256),  # a thread each
+            request_timeout_s=a.rollout_timeout_s,
+            retry_s=a.rollout_vllm_retry_s,
+        )
+        for i, url in enumerate(vllm_urls(trainer))
+    ]
+    return VLLMBackend(
+        specs,
+        max_outstanding=trainer._queue_size,
+        weight_specs=policy_specs(model, persistent_only=True),
+        transport=vllm_transport(trainer),
+        bucket_bytes=int(a.weight_sync_bucket_mb * 2**20),
+        pause_mode="keep" if a.resolved_weight_update == "decode_step" else "wait",
+        startup_timeout_s=args.vllm_server_timeout,
+    )
+
+
+def make_tokenize_row(trainer):
+    tokenizer = copy.deepcopy(trainer.processing_class)
+    dataset, chat_template, template_kwargs = trainer.train_dataset, trainer.chat_template, trainer.chat_template_kwargs
+    tools = list(trainer.tools or []) or None  # as GRPOTrainer._tokenize_prompts renders them
+    config = trainer.accelerator.unwrap_model(trainer.model).config
+    limit = getattr(config, "max_position_embeddings", None)
+    vocab = getattr(config, "vocab_size", None)
+    completion = trainer.max_completion_length
+
+    def tokenize_row(index: int) -> tuple[int, ...]:
+        ids = _tokenize(index)
+        past = [t for t in ids if vocab is not None and t >= vocab]
+        if past:
+            raise ValueError(
+                f"train_dataset row {index}: the prompt has token id {past[0]} "
+                f"({tokenizer.convert_ids_to_tokens(past[0])!r}), past the model's vocabulary of {vocab}. Remove "
+                "it from the data, or call model.resize_token_embeddings(len(tokenizer)) before building the "
+                "trainer."
+            )
+        if limit is not None and len(ids) + completion > limit:
+            # checked as each prompt is first used (tokenizing a whole dataset up front would be slow)
+            raise ValueError(
+                f"train_dataset row {index}: the prompt is {len(ids)} tokens, and with max_completion_length="
+                f"{completion} that exceeds the model's max_position_embeddings={limit}. Filter long prompts "
+                "out of the dataset or lower max_completion_length."
+            )
+        return ids
+
+    def _tokenize(index: int) -> tuple[int, ...]:
+        prompt = dataset[index]["prompt"]
+        if is_conversational({"prompt": prompt}):
+            out = tokenizer.apply_chat_template(
+                conversation=[prompt],
+                tools=tools,
+                chat_template=chat_template,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+                **template_kwargs,
+            )
+            return tuple(out["input_ids"][0])
+        return tuple(tokenizer(text=[prompt])["input_ids"][0])
+
+    return tokenize_row
+
+
+def make_score_group(trainer):
+    """``score_group`` for the pool's scoring threads: each thread gets its own scorer and tokenizer copies (a
+    fast tokenizer used from two threads at once fails: "Already borrowed"; the main thread keeps the trainer's,
+    which evaluate() uses). Reward models and functions themselves are shared."""
+    local = threading.local()
+    trainer._scorers = scorers = []
+    dataset, group_size = trainer.train_dataset, trainer.num_generations
+
+    def own() -> tuple:
+        if not hasattr(local, "scorer"):
+            local.tokenizer = copy.deepcopy(trainer.processing_class)
+            local.scorer = RewardScorer(
+                trainer._scoring_reward_funcs,
+                copy.deepcopy(trainer.reward_processing_classes),
+                trainer.reward_func_names,
+                trainer.chat_template_kwargs,
+                trainer.accelerator.device,
+                trainer_state=lambda: trainer.state,
+                event_loop=getattr(trainer, "async_loop", None),  # GRPOTrainer's loop, if any reward is async
+            )
+            scorers.append(local.scorer)
+        return local.tokenizer, local.scorer
+
+    def score_group(group: RolloutGroup, environments: list | None = None) -> ScoredGroup:
+        tokenizer, scorer = own()
+        row = dataset[group.prompt_index]
+        # environments: each episode's prompt carries its reset observation, as GRPOTrainer passes it
+        rows = [{**row, "prompt": p} for p in group.row_prompts] if group.row_prompts else [row] * group_size
+        if group.extra_fields:  # rollout_func's extra fields, merged into each row as GRPOTrainer merges them
+            rows = [with_extra_fields(r, j, group.extra_fields) for j, r in enumerate(rows)]
+        conversational = is_conversational({"prompt": rows[0]["prompt"]})
+        prompt_ids = list(group.row_prompt_ids) or [group.prompt_ids] * group_size
+        if group.completions:  # multi-turn: the parsed messages of each episode, as GRPOTrainer's loop builds them
+            completions = [list(c) for c in group.completions]
+        else:
+            completions = decode_completions(tokenizer, prompt_ids, group.completion_ids, conversational)
+        rewards, extra_logs, metrics = scorer.score(rows, completions, list(group.completion_ids), environments)
+        return ScoredGroup(group, 0, rewards, extra_logs, metrics)
+
+    return score_group
