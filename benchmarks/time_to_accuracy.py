@@ -60,6 +60,9 @@ CONFIGS: dict[str, dict] = {
     "async_s2": dict(kind="async", threads=2, env=PASSIVE, overrides=dict(max_staleness=2)),
     "async_s4": dict(kind="async", threads=2, env=PASSIVE, overrides=dict(max_staleness=4)),
     "async_2w": dict(kind="async", threads=2, env=PASSIVE, overrides=dict(num_rollout_workers=2)),
+    # a vLLM CPU server (float32, eager) on the same 2 cores at niceness 19, started once before its runs (its ~40 s
+    # start-up is not in the clock: a server outlives training runs), weights pushed over gloo after every step
+    "async_vllm": dict(kind="async", threads=2, env=PASSIVE, overrides=dict(rollout_backend="vllm"), vllm=True),
 }
 TASK = dict(  # the CPU demo's settings
     **TRAINING_SETTINGS,
@@ -96,8 +99,12 @@ def run_one(spec: dict) -> dict:
     def evaluate(trainer, step: int) -> None:
         start = time.time()
         pool = getattr(trainer, "rollout_pool", None)
-        paused = [p.pid for p in pool.processes if p.is_alive()] if pool is not None else []
-        for pid in paused:  # the clock skips evaluations: workers must not generate ahead for free meanwhile
+        paused = []  # the clock skips evaluations: workers (or the vLLM server) must not generate ahead for free
+        if spec.get("server_pgid") and pool is not None:
+            os.killpg(spec["server_pgid"], signal.SIGSTOP)
+        elif pool is not None:
+            paused = [p.pid for p in pool.processes if p.is_alive()]
+        for pid in paused:
             os.kill(pid, signal.SIGSTOP)
         try:
             accuracy = greedy_accuracy(trainer, heldout, correctness_reward)
@@ -105,6 +112,8 @@ def run_one(spec: dict) -> dict:
         finally:
             for pid in paused:
                 os.kill(pid, signal.SIGCONT)
+            if spec.get("server_pgid") and pool is not None:
+                os.killpg(spec["server_pgid"], signal.SIGCONT)
         curve.append({"step": step, "seconds": start - launched - eval_seconds[0], "accuracy": accuracy,
                       "accuracy_train_templates": seen_templates})  # fmt: skip
         eval_seconds[0] += time.time() - start
@@ -167,11 +176,14 @@ def run_one(spec: dict) -> dict:
     }
 
 
-def launch(name: str, seed: int, steps: int, eval_every: int, work: str) -> dict:
+def launch(name: str, seed: int, steps: int, eval_every: int, work: str, server=None) -> dict:
     config = CONFIGS[name]
     out = Path(work) / f"{name}-{seed}.json"
     spec = {**config, "seed": seed, "steps": steps, "eval_every": eval_every,
             "output_dir": str(Path(work) / f"out-{name}-{seed}"), "launched_at": time.time()}  # fmt: skip
+    if config.get("vllm"):
+        spec["overrides"] = {**spec["overrides"], "rollout_vllm_urls": [server.url], "vllm_server_timeout": 120}
+        spec["server_pgid"] = server.process.pid  # started in its own session: its pid is its process group
     env = {**os.environ, "OMP_NUM_THREADS": str(config["threads"]), "TOKENIZERS_PARALLELISM": "false",
            **config["env"]}  # fmt: skip
     if "OMP_WAIT_POLICY" not in config["env"]:
@@ -295,16 +307,33 @@ def plot(runs: list[dict], configs: list[str], path: Path) -> None:
 def collect(cli) -> list[dict]:
     from trl_async.pretrained import smollm2_135m_instruct
 
-    smollm2_135m_instruct()  # fetch and convert once, outside every run's clock
+    model_dir = smollm2_135m_instruct()  # fetch and convert once, outside every run's clock
     runs = []
+    server = start_vllm_server(model_dir) if any(CONFIGS[c].get("vllm") for c in cli.configs) else None
     with tempfile.TemporaryDirectory(prefix="tta_") as work:
-        for seed in cli.seeds:  # interleaved
-            for name in cli.configs:
-                run = launch(name, seed, cli.steps, cli.eval_every, work)
-                runs.append(run)
-                print(f"{name} seed {seed}: {run['end_to_end_s']:.0f} s, {run['completion_tokens']:.0f} tokens, "
-                      f"final {run['curve'][-1]['accuracy'] if run['curve'] else '-'}", flush=True)  # fmt: skip
+        try:
+            for seed in cli.seeds:  # interleaved
+                for name in cli.configs:
+                    runs.append(launch(name, seed, cli.steps, cli.eval_every, work, server))
+                    run = runs[-1]
+                    print(f"{name} seed {seed}: {run['end_to_end_s']:.0f} s, {run['completion_tokens']:.0f} tokens, "
+                          f"final {run['curve'][-1]['accuracy'] if run['curve'] else '-'}", flush=True)  # fmt: skip
+        finally:
+            if server is not None:
+                server.stop()
     return runs
+
+
+def start_vllm_server(model_dir):
+    """The CPU vLLM server the tests use (tests/vllm_server.py: float32, eager, gloo weight transfer), at niceness
+    19 so that it fills the trainer's idle moments as the transformers workers do, its threads passive."""
+    sys.path.insert(0, str(HERE.parent))
+    from tests.vllm_server import start_server
+
+    log = Path(tempfile.gettempdir()) / "tta_vllm_server.log"
+    server = start_server(str(model_dir), log, niceness=19, extra_env={"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"})
+    print(f"vLLM server up at {server.url} (log {log})", flush=True)
+    return server
 
 
 def main() -> None:

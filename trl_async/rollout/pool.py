@@ -3,7 +3,7 @@
 Threads in the trainer process (none of them runs a collective or touches the training model):
   * the *dispatcher* hands ``RolloutTask``s to the workers while admission control allows (staleness bound and
     ``queue_size``), taking prompts from the ``PromptStream``;
-  * the *collector* receives worker messages and watches the workers (exits, heartbeats);
+  * the *collector* receives lane messages and watches the lanes (exits, heartbeats; lanes.py);
   * the *scoring threads* (``scoring_threads``, 1 by default) score each finished group with the reward functions, so
     rewards are ready before the trainer asks for them, and a slow reward never delays the collector.
 The trainer's main thread calls ``publish`` (new weights) and ``take`` (the next scored groups; stale ones are dropped,
@@ -19,14 +19,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from multiprocessing.connection import wait as wait_for_messages
 from typing import TYPE_CHECKING
 
 import torch
 from transformers.utils import logging
 
-from ..records import RolloutGroup, RolloutTask, WeightsAdopted, WorkerFailed, WorkerReady
+from ..records import RolloutGroup, RolloutTask
 from ..sync.shared_memory import Digest
+from .lanes import Lanes, RolloutWorkerError  # noqa: F401 - RolloutWorkerError: raised to the trainer
 from .prompts import PromptStream
 from .staleness import max_groups_admitted, staleness
 
@@ -36,10 +36,6 @@ if TYPE_CHECKING:
     from .episodes import EpisodeRunner
 
 logger = logging.get_logger(__name__)
-
-
-class RolloutWorkerError(RuntimeError):
-    """A rollout worker died, failed or sent weights that differ from what the trainer published."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,21 +100,15 @@ class RolloutPool:
         self._next_group_id = 0
         self._positions: dict[int, int] = {}  # group id -> its prompt's stream position (prompts.PromptStream)
         self._ready: deque[ScoredGroup] = deque()
-        self._expected_digests: dict[int, str] = {}
         self.dropped_samples = 0
         self.dropped_groups = 0
         self.dropped_unscored = 0  # of those, dropped on arrival, before scoring
-        self.verified_adoptions = 0
-        self.worker_versions: dict[int, int] = {}
-        self.worker_restarts = 0
-        self.lost_workers: list[str] = []  # why each lost worker was lost
         self._tokens_since_take = 0
         self._last_take_end = time.perf_counter()
         # (kind, worker id or -1 for the trainer, start, end) in time.time(): "generate" calls, "score" (one group's
         # rewards, on a scoring thread) and the trainer's "wait"s in take(); bounded, for timelines and
         # utilisation (benchmarks/throughput.py)
         self.activity: deque[tuple[str, int, float, float]] = deque(maxlen=100_000)
-        self._last_call: dict[int, float] = {}
 
         self._to_score: queue.SimpleQueue[RolloutGroup] = queue.SimpleQueue()
         self._later_turns: deque[RolloutTask] = deque()  # turns of episodes under way: dispatched before new groups
@@ -128,7 +118,7 @@ class RolloutPool:
             submit_turn=self._submit_turn, finished=self._to_score.put, fail=self._fail, abandon=self._abandon
         )  # fmt: skip
 
-        self._workers = [backend.start_lane(i) for i in range(len(backend.specs))]
+        self.lanes = Lanes(backend, settings, self._cv, self.activity, self._deliver, self._requeue, self._fail)
         self._threads = [
             threading.Thread(target=self._guard(self._dispatch_loop), name="trl_async-dispatch", daemon=True),
             threading.Thread(target=self._guard(self._collect_loop), name="trl_async-collect", daemon=True),
@@ -152,9 +142,7 @@ class RolloutPool:
         digest = Digest() if self.settings.verify_weights else None
         self.backend.publish(buckets, version, digest)
         if digest is not None:
-            self._expected_digests[version] = digest.hexdigest()
-            for old in [v for v in self._expected_digests if v < version - 64]:  # bounded history
-                del self._expected_digests[old]
+            self.lanes.expect_digest(version, digest.hexdigest())
         with self._cv:
             self._published = version
             self._cv.notify_all()
@@ -183,7 +171,7 @@ class RolloutPool:
                         f"waited {self.settings.timeout_s:.0f}s (rollout_timeout_s) for {n - len(taken)} more rollout "
                         f"groups at trainer version {consumer_version}; published version {self._published}, "
                         f"admitted {self._admitted}, consumed {self._consumed}, worker versions "
-                        f"{self.worker_versions}, workers alive {[w.is_alive() for w in self._workers]}"
+                        f"{self.worker_versions}, workers alive {[w.is_alive() for w in self.lanes.workers]}"
                     )
                 self._cv.wait(timeout=0.2)
             self._consumed += n
@@ -227,20 +215,24 @@ class RolloutPool:
             t.join(5)
         if self._episodes is not None:
             self._episodes.close()
-        deadline = time.monotonic() + timeout_s
-        for w in self._workers:
-            w.stop(max(0.0, deadline - time.monotonic()))
+        self.lanes.stop(timeout_s)
         self.backend.close()
 
     @property
     def processes(self) -> list:
         """The current worker processes (a restarted worker's new process replaces the lost one)."""
-        return [w.process for w in self._workers]
+        return [w.process for w in self.lanes.workers]
 
     def outstanding(self, worker_id: int) -> list[RolloutTask]:
         """Groups handed to a worker and not yet returned (for tests and diagnostics)."""
         with self._cv:
-            return list(self._workers[worker_id].outstanding.values())
+            return list(self.lanes.workers[worker_id].outstanding.values())
+
+    # what the lanes observed (lanes.py)
+    worker_versions = property(lambda self: self.lanes.worker_versions)
+    worker_restarts = property(lambda self: self.lanes.worker_restarts)
+    lost_workers = property(lambda self: self.lanes.lost_workers)
+    verified_adoptions = property(lambda self: self.lanes.verified_adoptions)
 
     @property
     def admitted(self) -> int:
@@ -298,7 +290,7 @@ class RolloutPool:
             return sum(len(t.contexts) / rows_per_group if t.contexts else 1 for t in w.outstanding.values())
 
         def free_worker():
-            room = [w for w in self._workers if load(w) + per_call <= w.max_outstanding]
+            room = [w for w in self.lanes.workers if load(w) + per_call <= w.max_outstanding]
             return min(room, key=load) if room else None
 
         while True:
@@ -377,13 +369,25 @@ class RolloutPool:
             self._cv.notify_all()
 
     def _collect_loop(self) -> None:
-        """Receive worker messages, hand finished groups to the scoring threads, and watch the workers (exit,
-        heartbeat)."""
+        """Receive lane messages (finished groups go to the episode runner or the scoring threads) and watch the
+        lanes (exit, heartbeat)."""
         while not self._stop:
-            by_conn = {w.results: w for w in self._workers}
-            for conn in wait_for_messages(list(by_conn), timeout=0.1):
-                self._drain(by_conn[conn])
-            self._check_health()
+            self.lanes.poll(lambda: self._stop)
+
+    def _deliver(self, group: RolloutGroup, task: RolloutTask) -> None:
+        if self._episodes is not None:  # a turn of multi-turn episodes: the runner decides what comes next
+            self._episodes.on_turn(group, task.admitted_at_version)
+        else:
+            self._to_score.put(group)  # scored off this thread: a slow reward never delays health checks
+
+    def _requeue(self, first_turns: list[RolloutTask], later_turns: list[RolloutTask]) -> None:
+        """What a lost lane held (caller holds the lock): first turns back to admission, their prompts first in
+        line; later turns of episodes under way generated again from the same context (the episode keeps its
+        tools' results), first in line."""
+        for task in reversed(first_turns):
+            self._prompts.push_front(self._positions.pop(task.group_id), task.prompt_index)
+        self._admitted -= len(first_turns)
+        self._later_turns.extendleft(reversed(later_turns))
 
     def _score_loop(self) -> None:
         """Score finished groups with the reward functions, one at a time per scoring thread (admission bounds how
@@ -417,93 +421,6 @@ class RolloutPool:
                 self._ready.append(scored)
                 self._tokens_since_take += group.num_sampled_tokens
                 self._cv.notify_all()
-
-    def _drain(self, worker) -> None:
-        """Handle every message waiting in a worker's pipe (an exited worker's last words included)."""
-        try:
-            while worker.results.poll():
-                self._handle(worker, worker.results.recv())
-        except (EOFError, OSError):  # it exited or died; the health check deals with it
-            pass
-
-    def _handle(self, worker, msg) -> None:
-        if isinstance(msg, RolloutGroup):
-            with self._cv:
-                task = worker.outstanding.pop(msg.key, None)
-                self._cv.notify_all()  # the lane has room again (the dispatcher may send a queued later turn)
-                if task is None:
-                    return  # not (or no longer) ours: already regenerated elsewhere
-            if self._last_call.get(msg.worker_id) != msg.generate_started_at:  # one entry per call, not group
-                self._last_call[msg.worker_id] = msg.generate_started_at
-                end = msg.generate_started_at + msg.generate_s
-                self.activity.append(("generate", msg.worker_id, msg.generate_started_at, end))
-            if self._episodes is not None:  # a turn of multi-turn episodes: the runner decides what comes next
-                self._episodes.on_turn(msg, task.admitted_at_version)
-            else:
-                self._to_score.put(msg)  # scored off this thread: a slow reward never delays health checks
-        elif isinstance(msg, WeightsAdopted):
-            self._on_adopted(msg)
-        elif isinstance(msg, WorkerFailed):
-            raise RolloutWorkerError(f"rollout worker {msg.worker_id} failed:\n{msg.error}")
-        elif isinstance(msg, WorkerReady):
-            pass
-
-    def _check_health(self) -> None:
-        now = time.time()
-        for i, w in enumerate(self._workers):
-            if self._stop:
-                return
-            if not w.is_alive():
-                self._drain(w)  # a WorkerFailed report raises here, before any restart
-                self._replace(i, w.exit_reason())
-            elif w.silent_for(now) > self.settings.heartbeat_timeout_s:
-                silent = w.silent_for(now)
-                self._replace(i, f"sent no heartbeat for {silent:.1f}s (hung, stopped or down; killed)")
-
-    def _replace(self, i: int, why: str) -> None:
-        """A worker is lost: its outstanding groups go back to admission (their prompts first in line), and it is
-        restarted with the newest weights, or the pool fails once ``max_restarts`` is used up."""
-        lost = self._workers[i]
-        lost.kill()
-        with self._cv:
-            first_turns = [t for t in lost.outstanding.values() if not t.rows]
-            for task in reversed(first_turns):
-                self._prompts.push_front(self._positions.pop(task.group_id), task.prompt_index)
-            self._admitted -= len(first_turns)
-            # later turns of episodes under way: generated again from the same context (the episode keeps its tools'
-            # results), first in line
-            self._later_turns.extendleft(reversed([t for t in lost.outstanding.values() if t.rows]))
-            regenerated = len(lost.outstanding)
-            lost.outstanding.clear()
-            what = f"{lost.describe()} {why}"
-            self.lost_workers.append(what)
-            if not self.backend.restartable:
-                self._error = RolloutWorkerError(f"{what}; it cannot be restarted from here")
-                self._cv.notify_all()
-                return
-            if lost.restarts >= self.settings.max_restarts:
-                self._error = RolloutWorkerError(
-                    f"{what}; it was already restarted {lost.restarts} time(s) (rollout_max_restarts="
-                    f"{self.settings.max_restarts})"
-                )
-                self._cv.notify_all()
-                return
-            self._workers[i] = self.backend.start_lane(i, restarts=lost.restarts + 1)
-            self.worker_restarts += 1
-            self._cv.notify_all()
-        logger.warning("%s; restarted it, %d group(s) it held will be generated again", what, regenerated)
-
-    def _on_adopted(self, msg: WeightsAdopted) -> None:
-        with self._cv:
-            self.worker_versions[msg.worker_id] = msg.version
-        if msg.digest is not None:
-            expected = self._expected_digests.get(msg.version)
-            if expected != msg.digest:
-                raise RolloutWorkerError(
-                    f"rollout worker {msg.worker_id} holds weights for version {msg.version} that differ from the "
-                    "weights the trainer published (digest mismatch)"
-                )
-            self.verified_adoptions += 1
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
