@@ -24,7 +24,8 @@ from .rollout.tool_calls import ToolRunner, split_tools
 from .sync.policy import policy_specs
 
 
-def start_pool(trainer) -> RolloutPool:
+def start_pool(trainer, progress: dict | None = None) -> RolloutPool:
+    """``progress``: the checkpoint's record of completed prompts (``PromptProgress`` state), when resuming."""
     args, a = trainer.args, trainer.async_args
     model = trainer.accelerator.unwrap_model(trainer.model)
     start_version = trainer.state.global_step
@@ -42,7 +43,6 @@ def start_pool(trainer) -> RolloutPool:
         heartbeat_timeout_s=a.rollout_heartbeat_timeout_s,
         scoring_threads=a.rollout_scoring_threads,
     )
-    saved = trainer.state.stateful_callbacks.get("PromptProgress") if start_version else None
     episodes = None
     if trainer.tools or trainer.environment_factories:
         episodes = episode_runner_factory(trainer)
@@ -54,7 +54,7 @@ def start_pool(trainer) -> RolloutPool:
         shuffle=trainer.shuffle_dataset,
         seed=args.seed,
         skip_batches=start_version // trainer._steps_per_batch,  # a checkpoint without PromptProgress
-        progress=saved["args"] if isinstance(saved, dict) else None,
+        progress=progress,
     )
     backend = vllm_backend(trainer, model) if a.rollout_backend == "vllm" else process_backend(trainer, model)
     return RolloutPool(backend, settings, prompts, make_tokenize_row(trainer), make_score_group(trainer), episodes)

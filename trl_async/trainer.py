@@ -157,7 +157,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         and ``versions`` (of each token's weights). During training (the background call of each group) the rollout
         workers sample; elsewhere, e.g. in evaluation on the main thread, the trainer's own model does, as
         GRPOTrainer would (no log-probs: NaN)."""
-        runner = self._pool._episodes if self._pool is not None else None
+        runner = self._pool.runner if self._pool is not None else None
         if isinstance(runner, RolloutFuncRunner) and runner.in_rollout:
             return runner.generate(prompt_ids, max_new_tokens)
         if threading.current_thread() is not threading.main_thread():
@@ -176,7 +176,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if self.accelerator.num_processes > 1 and self.accelerator.is_main_process != (dist.get_rank() == 0):
             raise RuntimeError("the main process must be torch.distributed rank 0: weight sync streams to rank 0")
         if self.accelerator.is_main_process:
-            self._pool = start_pool(self)
+            saved = self.state.stateful_callbacks.get(PromptProgress.__name__) if self.state.global_step else None
+            self._pool = start_pool(self, saved["args"] if isinstance(saved, dict) else None)
         self._pool_started = True
         self._publish_weights(self.state.global_step)
 

@@ -235,6 +235,11 @@ class RolloutPool:
     verified_adoptions = property(lambda self: self.lanes.verified_adoptions)
 
     @property
+    def runner(self):
+        """The episode or ``rollout_func`` runner that starts and continues groups (``None``: single-turn)."""
+        return self._episodes
+
+    @property
     def admitted(self) -> int:
         """Groups dispatched to workers so far, not counting dropped ones."""
         with self._cv:
