@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from trl_async.precision import cpu_name, device_precision
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 
@@ -23,8 +25,20 @@ def usable_cores() -> int:
 
 
 def machine() -> dict:
-    return {"cpu_count": usable_cores(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
-            "torch": torch.__version__}  # fmt: skip
+    native = device_precision("cpu")
+    return {"cpu": cpu_name(), "native_bf16": native.bf16, "precision_why": native.why, "cpu_count": usable_cores(),
+            "torch_threads": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__}  # fmt: skip
+
+
+def measured_on(section: str) -> str:
+    """The line every table starts with, from the machine recorded in ``results/<section>.json`` (this machine
+    where there is none): the CPU decides what is fast (bf16 is 26x slower where it is emulated)."""
+    path = RESULTS / f"{section}.json"
+    recorded = json.loads(path.read_text()).get("machine", {}) if path.exists() else machine()
+    if "cpu" not in recorded:  # results written before the CPU was recorded: all were measured on the AMX Xeon
+        return "*Measured on an Intel Xeon with AMX-BF16 (native bf16), before the CPU was recorded (2026-11-29/30).*"
+    bf16 = "native bf16" if recorded["native_bf16"] else f"no native bf16: {recorded['precision_why']}"
+    return f"*Measured on {recorded['cpu']} ({bf16}).*"
 
 
 def write_json(name: str, payload: dict) -> Path:
@@ -46,7 +60,7 @@ def update_readme(section: str, body: str) -> None:
     readme = HERE / "README.md"
     text = readme.read_text() if readme.exists() else "# Benchmarks\n"
     begin, end = f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
-    block = f"{begin}\n{body.strip()}\n{end}"
+    block = f"{begin}\n{measured_on(section)}\n\n{body.strip()}\n{end}"
     if begin in text:
         text = re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S)
     else:

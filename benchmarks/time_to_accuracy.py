@@ -29,25 +29,30 @@ import time
 from pathlib import Path
 
 from trl_async.arithmetic import TRAINING_SETTINGS
+from trl_async.precision import described_precision, recipe_precision
 
 HERE = Path(__file__).resolve().parent
 
 # name -> (environment of the run's process, trainer threads, trainer kind, config overrides)
 PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
 CONFIGS: dict[str, dict] = {
-    # TRL's GRPOTrainer with its defaults (bf16 autocast, gradient checkpointing): its best configuration on 2 cores
-    # (measured, benchmarks/README.md: float32 is 1.9x slower, 1 thread and 2-process DDP slower still)
+    # TRL's GRPOTrainer with its defaults (gradient checkpointing), in the precision this CPU computes fast (TASK's
+    # bf16: autocast where bf16 is native, float32 where it is emulated): its best configuration on 2 cores
+    # (measured, benchmarks/README.md: 1 thread and 2-process DDP are slower).
     # OpenMP threads: sync alone on the cores is fastest with spinning threads (OMP_WAIT_POLICY unset, i.e. ACTIVE:
-    # 1.11x PASSIVE over 3 seeds, table omp_settle); async with PASSIVE (its workers need the idle moments)
+    # 1.13x PASSIVE over 3 seeds on the AMX Xeon, table omp_settle); async with PASSIVE (its workers need the idle
+    # moments)
     "sync": dict(kind="sync", threads=2, env={}),
     "sync_passive": dict(kind="sync", threads=2, env=PASSIVE),
     "sync_fp32": dict(kind="sync", threads=2, env={}, train=dict(bf16=False, gradient_checkpointing=False)),
     "sync_fp32_gc": dict(kind="sync", threads=2, env={}, train=dict(bf16=False)),
-    "sync_bf16_nogc": dict(kind="sync", threads=2, env={}, train=dict(gradient_checkpointing=False)),
+    "sync_bf16": dict(kind="sync", threads=2, env={}, train=dict(bf16=True)),  # forced, even where emulated
+    "sync_nogc": dict(kind="sync", threads=2, env={}, train=dict(gradient_checkpointing=False)),
     "sync_1thread": dict(kind="sync", threads=1, env=PASSIVE),
     # 2-process DDP under `accelerate launch` (gloo, 1 thread each): each rank generates and trains on half the batch
     "sync_ddp": dict(kind="sync", threads=1, processes=2, env=PASSIVE, train=dict(ddp_backend="gloo")),
-    # AsyncGRPOTrainer with its defaults (trainer all cores, workers at nice 19 with all cores, bf16 workers)
+    # AsyncGRPOTrainer with its defaults (trainer all cores, workers at nice 19 with all cores, workers in the
+    # trainer's compute dtype where it is native)
     "async": dict(kind="async", threads=2, env=PASSIVE),
     # how the cores are split
     "async_active": dict(kind="async", threads=2, env={}),
@@ -66,6 +71,8 @@ CONFIGS: dict[str, dict] = {
 }
 TASK = dict(  # the CPU demo's settings
     **TRAINING_SETTINGS,
+    bf16=recipe_precision("cpu")[0],  # as the demo: bf16 autocast only where this CPU computes bf16 natively
+    # (None: TRL's default, bf16), float32 where it would be emulated
     logging_steps=1,
     save_strategy="no",
     report_to=[],
@@ -365,9 +372,11 @@ def main() -> None:
     else:
         runs = collect(cli)
     rows, targets = summarise(runs, cli.configs)
-    meta = {"steps": cli.steps, "eval_every": cli.eval_every, "seeds": cli.seeds, "task": TASK, "heldout": HELDOUT,
+    precision = saved["meta"].get("precision", "?") if cli.from_json else described_precision(TASK["bf16"] is None, False)
+    meta = {"precision": precision, "steps": cli.steps, "eval_every": cli.eval_every, "seeds": cli.seeds, "task": TASK, "heldout": HELDOUT,
             "in_distribution": IN_DISTRIBUTION, "sync_final_accuracy": targets}  # fmt: skip
-    report.write_json(cli.name, {"meta": meta, "rows": rows, "runs": runs})
+    recorded = {"machine": saved["machine"]} if cli.from_json and "machine" in saved else {}  # where it ran
+    report.write_json(cli.name, {**recorded, "meta": meta, "rows": rows, "runs": runs})
     header = ["config", "seeds", "end-to-end s", "start-up s", "steps/min", "× sync", "tokens/s", "× sync",
               "held-out acc", "± sd", "s to sync's", "× sync time", "train-tmpl acc", "± sd",
               "× sync time", "staleness", "ESS", "KL(μ‖π_prox)", "trainer wait s", "publish s",
@@ -385,7 +394,8 @@ def main() -> None:
     print(table)
     if cli.eval_every:
         plot(runs, cli.configs, report.png_path(cli.name))
-    header_note = (f"{cli.steps} steps, seeds {cli.seeds}, greedy accuracy every {cli.eval_every} steps on "
+    header_note = (f"2 cores; configurations without a precision in their name in {precision}. "
+                   f"{cli.steps} steps, seeds {cli.seeds}, greedy accuracy every {cli.eval_every} steps on "
                    f"{HELDOUT['n']} held-out-template and {IN_DISTRIBUTION['n']} train-template problems; sync's "
                    f"final accuracies (the targets): {targets}")  # fmt: skip
     report.update_readme(cli.name, f"{header_note}\n\n{table}")

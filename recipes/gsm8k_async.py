@@ -35,16 +35,24 @@ generated is executed or evaluated.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import torch
+import yaml
+from accelerate import PartialState
 from datasets import load_dataset
+from transformers.hf_argparser import string_to_bool
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer, arithmetic
 from trl_async.evaluation import GreedyAccuracyCallback
+from trl_async.precision import described_precision, recipe_precision
 from trl_async.pretrained import smollm2_135m_instruct
 from trl_async.progress import print_summary, run_summary, samples_per_step
 
@@ -123,6 +131,28 @@ def load_gsm8k(args: GSM8KArguments):
     return data.map(to_prompt, remove_columns=data.column_names)
 
 
+def training_device(argv: list[str]) -> str:
+    """The device the run will train on, read before parsing (``use_cpu`` from the command line, else from the
+    ``--config`` file): the precision default depends on it."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    pre.add_argument("--use_cpu", type=string_to_bool, nargs="?", const=True)
+    known, _ = pre.parse_known_args(argv)
+    use_cpu = known.use_cpu
+    if use_cpu is None and known.config:
+        use_cpu = bool((yaml.safe_load(Path(known.config).read_text()) or {}).get("use_cpu", False))
+    return "cpu" if use_cpu or not torch.cuda.is_available() else "cuda"
+
+
+def make_parser(argv: list[str] | None = None) -> TrlParser:
+    """The recipe's parser for ``argv`` (default: the command line). ``bf16`` defaults to on only where the
+    training device computes bf16 natively, else float32 (trl_async.precision); a config file's ``bf16:`` or
+    ``--bf16`` on the command line overrides it."""
+    parser = TrlParser((GSM8KArguments, AsyncGRPOConfig, ModelConfig))
+    parser.set_defaults(bf16=recipe_precision(training_device(sys.argv[1:] if argv is None else argv))[0])
+    return parser
+
+
 def main(script_args: GSM8KArguments, training_args: AsyncGRPOConfig, model_args: ModelConfig) -> dict:
     if script_args.task not in ("gsm8k", "arithmetic"):
         raise ValueError(f"--task {script_args.task!r}: choose 'gsm8k' or 'arithmetic'")
@@ -132,6 +162,10 @@ def main(script_args: GSM8KArguments, training_args: AsyncGRPOConfig, model_args
         "dtype": model_args.dtype,
         **(training_args.model_init_kwargs or {}),
     }
+    device = "cpu" if training_args.use_cpu or not torch.cuda.is_available() else "cuda"
+    precision = described_precision(training_args.bf16, training_args.fp16, device)
+    if PartialState().is_main_process:
+        print(f"precision: {precision}", flush=True)
     model = model_args.model_name_or_path or smollm2_135m_instruct()
     if script_args.task == "arithmetic":
         dataset = arithmetic.make_split("train", script_args.max_train_samples or 512, seed=training_args.seed)
@@ -159,6 +193,7 @@ def main(script_args: GSM8KArguments, training_args: AsyncGRPOConfig, model_args
         return {}
     processes = trainer.accelerator.num_processes
     summary = run_summary(trainer.state.log_history, seconds, samples_per_step(training_args, processes))
+    summary["precision"] = precision
     if accuracy is not None and accuracy.history:
         summary["heldout_greedy_accuracy"] = dict(accuracy.history)  # step -> accuracy, at every evaluation
     print_summary(f"{script_args.task} async GRPO ({model})", summary)
@@ -167,5 +202,4 @@ def main(script_args: GSM8KArguments, training_args: AsyncGRPOConfig, model_args
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    parser = TrlParser((GSM8KArguments, AsyncGRPOConfig, ModelConfig))
-    main(*parser.parse_args_and_config())
+    main(*make_parser().parse_args_and_config())

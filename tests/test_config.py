@@ -99,17 +99,26 @@ def test_rollout_workers_on_the_cpu_get_the_lowest_priority_by_default():
     assert AsyncFields(rollout_device="cuda:1").resolved_rollout_nice == 0  # GPU workers need their launch thread
 
 
-def test_workers_generate_in_the_dtype_the_trainer_computes_in():
+def test_workers_generate_in_the_dtype_the_trainer_computes_in_where_it_is_native():
     import torch
 
+    from trl_async.precision import NativePrecision
+
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    amx, avx2 = NativePrecision(True, True, "AMX"), NativePrecision(False, False, "AVX2 only")
     fields = AsyncFields()
-    assert fields.resolved_rollout_dtype(f32, bf16=True, fp16=False) == bf16  # autocast: matmuls in bf16
-    assert fields.resolved_rollout_dtype(f32, bf16=False, fp16=True) == f16
-    assert fields.resolved_rollout_dtype(f32, bf16=False, fp16=False) == f32
-    assert fields.resolved_rollout_dtype(bf16, bf16=True, fp16=False) == bf16  # bf16 weights stay bf16
-    assert AsyncFields(rollout_verify_weights=True).resolved_rollout_dtype(f32, True, False) == f32  # bit for bit
-    assert AsyncFields(rollout_dtype="float32").resolved_rollout_dtype(f32, True, False) == f32
+    assert fields.resolved_rollout_dtype(f32, True, False, amx) == bf16  # autocast: matmuls in bf16
+    assert fields.resolved_rollout_dtype(f32, False, True, amx) == f16
+    assert fields.resolved_rollout_dtype(f32, False, False, amx) == f32
+    assert fields.resolved_rollout_dtype(bf16, True, False, amx) == bf16  # bf16 weights stay bf16
+    # where bf16/fp16 would be emulated (26x slower on an AVX2-only CPU), the weights' dtype
+    assert fields.resolved_rollout_dtype(f32, True, False, avx2) == f32
+    assert fields.resolved_rollout_dtype(f32, False, True, avx2) == f32
+    assert fields.resolved_rollout_dtype(f32, True, False, NativePrecision(False, True, "fp16 only")) == f32
+    assert fields.resolved_rollout_dtype(bf16, True, False, avx2) == bf16  # bf16 weights are the user's choice
+    assert AsyncFields(rollout_verify_weights=True).resolved_rollout_dtype(f32, True, False, amx) == f32  # bit for bit
+    assert AsyncFields(rollout_dtype="float32").resolved_rollout_dtype(f32, True, False, amx) == f32
+    assert AsyncFields(rollout_dtype="bfloat16").resolved_rollout_dtype(f32, True, False, avx2) == bf16  # explicit
 
 
 def test_rollout_dtype_is_for_transformers_workers_without_weight_hashing():

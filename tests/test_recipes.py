@@ -91,23 +91,56 @@ def test_recipe_parses_the_vllm_server_command_line():
 def test_recipe_runs_the_arithmetic_task_on_the_real_model(tmp_path, capsys):
     """`--task arithmetic` with its YAML: SmolLM2-135M-Instruct (the default model), the local word problems, two
     async steps, and the held-out greedy accuracy logged by the trainer's own evaluation."""
-    from trl import TrlParser
-
-    from trl_async import AsyncGRPOConfig
+    from trl_async.precision import recipe_precision
     from trl_async.pretrained import smollm2_135m_instruct
 
-    parser = TrlParser((gsm8k_async.GSM8KArguments, AsyncGRPOConfig, gsm8k_async.ModelConfig))
-    script_args, training_args, model_args = parser.parse_args_and_config(
-        [
-            "--config", str(ROOT / "recipes/configs/arithmetic_cpu.yaml"), "--output_dir", str(tmp_path / "out"),
-            "--max_steps", "2", "--eval_steps", "2", "--heldout_size", "8", "--per_device_train_batch_size", "8",
-            "--num_generations", "4", "--per_device_eval_batch_size", "8", "--disable_tqdm", "true",
-        ]
-    )  # fmt: skip
+    argv = [
+        "--config", str(ROOT / "recipes/configs/arithmetic_cpu.yaml"), "--output_dir", str(tmp_path / "out"),
+        "--max_steps", "2", "--eval_steps", "2", "--heldout_size", "8", "--per_device_train_batch_size", "8",
+        "--num_generations", "4", "--per_device_eval_batch_size", "8", "--disable_tqdm", "true",
+    ]  # fmt: skip
+    script_args, training_args, model_args = gsm8k_async.make_parser(argv).parse_args_and_config(argv)
     assert script_args.task == "arithmetic" and model_args.model_name_or_path is None
+    bf16, chosen = recipe_precision("cpu")  # float32 where bf16 is emulated (26x slower on AVX2-only CPUs)
+    assert training_args.bf16 is bf16
     summary = gsm8k_async.main(script_args, training_args, model_args)
     assert summary["steps"] == 2 and list(summary["heldout_greedy_accuracy"]) == [2]
     assert summary["heldout_greedy_accuracy"][2] in {k / 8 for k in range(9)}  # 8 problems, each right or wrong
     saved = json.loads((tmp_path / "out" / "config.json").read_text())
     assert saved["num_hidden_layers"] == 30 and saved["vocab_size"] == 49_152  # the real model was trained
-    assert f"arithmetic async GRPO ({smollm2_135m_instruct()})" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"arithmetic async GRPO ({smollm2_135m_instruct()})" in out and f"precision: {chosen}" in out
+    assert summary["precision"] == chosen
+
+
+@pytest.mark.unit
+def test_the_arithmetic_config_leaves_bf16_to_the_hardware_and_the_user_wins(monkeypatch):
+    from trl_async.precision import NativePrecision, recipe_precision
+
+    def parsed(*argv):
+        return gsm8k_async.make_parser(list(argv)).parse_args_and_config(list(argv))[1]
+
+    arithmetic = ["--config", str(ROOT / "recipes/configs/arithmetic_cpu.yaml"), "--output_dir", "out"]
+    native = recipe_precision("cpu")[0] is None
+    assert parsed(*arithmetic).bf16 is native  # bf16 where native (AVX512-BF16/AMX), float32 elsewhere
+    for given in ("true", "false"):  # the user's explicit choice is honoured either way
+        assert parsed(*arithmetic, "--bf16", given).bf16 is (given == "true")
+    gsm8k = ["--config", str(ROOT / "recipes/configs/gsm8k_async.yaml"), "--output_dir", "out", "--use_cpu", "true"]
+    assert parsed(*gsm8k).bf16 is True  # a config file's `bf16: true` beats the recipe's default
+    # with a CPU that emulates bf16, fp16 is not refused for clashing with a forced bf16 default (TRL's rule)
+    monkeypatch.setattr("trl_async.precision.device_precision", lambda d: NativePrecision(True, True, "AMX"))
+    args = parsed(*arithmetic, "--fp16", "true")
+    assert (args.bf16, args.fp16) == (False, True)
+
+
+@pytest.mark.unit
+def test_the_recipe_reads_the_training_device_before_choosing_its_precision(monkeypatch, tmp_path):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # a GPU machine, as far as the choice goes
+    on_cpu = tmp_path / "cpu.yaml"
+    on_cpu.write_text("use_cpu: true\n")
+    assert gsm8k_async.training_device(["--config", str(on_cpu)]) == "cpu"  # the YAML's use_cpu
+    assert gsm8k_async.training_device(["--config", str(on_cpu), "--use_cpu", "false"]) == "cuda"  # CLI wins
+    assert gsm8k_async.training_device(["--use_cpu"]) == "cpu"
+    assert gsm8k_async.training_device(["--config", str(ROOT / "recipes/configs/gsm8k_async.yaml")]) == "cuda"
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert gsm8k_async.training_device([]) == "cpu"

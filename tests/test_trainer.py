@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_async import AsyncGRPOTrainer
+from trl_async.precision import device_precision
 from trl_async.progress import AsyncProgressCallback
 
 from .conftest import (
@@ -289,7 +290,8 @@ def test_worker_weights_equal_the_trainer_weights_after_the_last_sync(tmp_path, 
 
 def test_cpu_workers_run_at_low_priority_with_passive_openmp_and_the_trainers_compute_dtype(tmp_path, tiny_model_dir):
     # bf16=True: the trainer computes in bf16 over float32 weights, so the workers generate in bf16 (rollout_dtype
-    # default); on the CPU they run at niceness 19 with OMP_WAIT_POLICY=PASSIVE (rollout_nice default)
+    # default) where this CPU computes bf16 natively, else in float32; on the CPU they run at niceness 19 with
+    # OMP_WAIT_POLICY=PASSIVE (rollout_nice default)
     seen = {}
 
     class Inspect(TrainerCallback):
@@ -310,6 +312,7 @@ def test_cpu_workers_run_at_low_priority_with_passive_openmp_and_the_trainers_co
         callbacks=[Inspect()],
     )
     trainer.train()
-    assert seen == {"passive": True, "nice": 19, "dtype": torch.bfloat16}
+    native = device_precision("cpu").bf16  # on AVX2-only CPUs bf16 is emulated: the workers stay in float32
+    assert seen == {"passive": True, "nice": 19, "dtype": torch.bfloat16 if native else torch.float32}
     assert next(trainer.model.parameters()).dtype == torch.float32  # the trainer's own weights stay float32
     assert os.environ.get("OMP_WAIT_POLICY") == OMP_WAIT_POLICY_AT_IMPORT  # the trainer's environment is restored

@@ -15,6 +15,8 @@ from typing import Literal
 import torch
 from trl import GRPOConfig
 
+from .precision import NativePrecision
+
 ROLLOUT_BACKENDS = ("transformers", "vllm")
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_TRANSPORTS = ("auto", "nccl", "gloo")
@@ -136,7 +138,8 @@ class AsyncFields:
         metadata={
             "help": "dtype the rollout workers generate in ('float32', 'bfloat16', 'float16'). Default: the dtype "
             "the trainer computes in: bfloat16 with `bf16=True` (float32 weights under autocast), float16 with "
-            "`fp16=True`, else the weights' dtype (and always the weights' dtype with rollout_verify_weights). A "
+            "`fp16=True`, where the workers' device computes that dtype natively (trl_async.precision: AVX512-BF16 "
+            "or AMX on x86 CPUs), else the weights' dtype (and always the weights' dtype with rollout_verify_weights). A "
             "precision other than the trainer's is corrected like staleness: behaviour log-probs come from the "
             "worker, pi_prox from the trainer."
         },
@@ -411,15 +414,19 @@ class AsyncFields:
             return self.rollout_torch_threads
         return max(1, available_cores() // self.num_rollout_workers)
 
-    def resolved_rollout_dtype(self, weights: torch.dtype, bf16: bool, fp16: bool) -> torch.dtype:
+    def resolved_rollout_dtype(
+        self, weights: torch.dtype, bf16: bool, fp16: bool, native: NativePrecision
+    ) -> torch.dtype:
         """``rollout_dtype`` if set; else the dtype the trainer computes in (bf16/fp16 under mixed precision, where
-        the trainer's matmuls see its float32 weights rounded to that dtype), unless weights are verified bit for
-        bit."""
+        the trainer's matmuls see its float32 weights rounded to that dtype) where the workers' device computes it
+        natively (``native``, trl_async.precision), else the weights' dtype; the weights' dtype always when weights
+        are verified bit for bit."""
         if self.rollout_dtype:
             return getattr(torch, self.rollout_dtype)
         if self.rollout_verify_weights or weights != torch.float32:
             return weights
-        return torch.bfloat16 if bf16 else torch.float16 if fp16 else weights
+        mixed = torch.bfloat16 if bf16 else torch.float16 if fp16 else weights
+        return mixed if native.native(mixed) else weights
 
     @property
     def resolved_rollout_nice(self) -> int:

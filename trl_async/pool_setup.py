@@ -14,6 +14,7 @@ from trl.data_utils import is_conversational
 
 from .engines.transformers.worker import WorkerSpec
 from .engines.transformers.worker_process import ProcessBackend
+from .precision import device_precision
 from .records import RolloutGroup
 from .rollout.custom_rollouts import RolloutFuncRunner, with_extra_fields
 from .rollout.episodes import EnvironmentPool, EpisodeRunner
@@ -97,12 +98,15 @@ def rollout_func_runner_factory(trainer):
 def process_backend(trainer, model) -> ProcessBackend:
     args, a = trainer.args, trainer.async_args
     base = model.get_base_model() if is_peft_model(model) else model
+    fp16 = args.fp16 and trainer.accelerator.device.type != "cpu"  # accelerate autocasts only bf16 on a CPU
     specs = [
         WorkerSpec(
             worker_id=i,
             model_class=type(base),
             model_config=base.config,
-            dtype=a.resolved_rollout_dtype(next(base.parameters()).dtype, args.bf16, args.fp16),
+            dtype=a.resolved_rollout_dtype(
+                next(base.parameters()).dtype, args.bf16, fp16, device_precision(a.rollout_device)
+            ),
             device=a.rollout_device,
             generation_config=trainer.generation_config,
             num_generations=trainer.num_generations,

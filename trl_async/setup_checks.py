@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import torch
 from accelerate.utils import is_peft_model
@@ -12,6 +13,8 @@ from datasets import IterableDataset
 from torch import nn
 from transformers.utils import logging
 from trl.data_utils import is_conversational
+
+from .precision import emulated_precision_warning
 
 logger = logging.get_logger(__name__)
 
@@ -129,6 +132,9 @@ def check_after_loading(trainer) -> None:
     check_vocabulary(trainer._tokenizer, getattr(model.config, "vocab_size", None))
     if is_peft_model(model):
         check_lora_on_tied_embeddings(model)
+    message = emulated_precision_warning(trainer.args.bf16, trainer.args.fp16, trainer.accelerator.device)
+    if message:  # the user's setting stands (GRPOTrainer's semantics); nothing else tells them what it costs
+        warnings.warn(message, UserWarning, stacklevel=3)
     a = trainer.async_args
     cpu_workers = a.rollout_backend == "transformers" and a.rollout_device == "cpu"
     if cpu_workers and trainer.accelerator.device.type == "cpu" and os.environ.get("OMP_WAIT_POLICY") != "PASSIVE":
