@@ -311,6 +311,29 @@ def plot(runs: list[dict], configs: list[str], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def plot_step_times(runs: list[dict], configs: list[str], path: Path) -> None:
+    """Step-time runs (no evaluations): each configuration's seconds per step, first step and the rest, per seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, c in enumerate(configs):
+        rs = [r for r in runs if r["config"] == c]
+        for offset, (label, part) in enumerate((("first step", slice(0, 1)), ("later steps", slice(1, None)))):
+            per_seed = [statistics.fmean(r["step_s"][part]) for r in rs if r["step_s"][part]]
+            x = i + (offset - 0.5) * 0.35
+            ax.bar(x, statistics.fmean(per_seed), width=0.35, color=f"C{offset}", label=label if i == 0 else None)
+            ax.scatter([x] * len(per_seed), per_seed, color="k", s=10, zorder=3)
+    ax.set_xticks(range(len(configs)), configs, rotation=20)
+    ax.set(ylabel="seconds per step (bars: mean over seeds, dots: seeds)")
+    ax.legend()
+    fig.suptitle("SmolLM2-135M-Instruct, arithmetic word problems, 2 CPU cores: step times")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def collect(cli) -> list[dict]:
     from trl_async.pretrained import smollm2_135m_instruct
 
@@ -394,11 +417,14 @@ def main() -> None:
     print(table)
     if cli.eval_every:
         plot(runs, cli.configs, report.png_path(cli.name))
+    else:
+        plot_step_times(runs, cli.configs, report.png_path(cli.name))
     header_note = (f"2 cores; configurations without a precision in their name in {precision}. "
                    f"{cli.steps} steps, seeds {cli.seeds}, greedy accuracy every {cli.eval_every} steps on "
                    f"{HELDOUT['n']} held-out-template and {IN_DISTRIBUTION['n']} train-template problems; sync's "
                    f"final accuracies (the targets): {targets}")  # fmt: skip
-    report.update_readme(cli.name, f"{header_note}\n\n{table}")
+    figure = f"\n\n![{cli.name}](results/{cli.name}.png)" if cli.eval_every == 0 else ""  # curves: above the table
+    report.update_readme(cli.name, f"{header_note}\n\n{table}{figure}")
 
 
 if __name__ == "__main__":
