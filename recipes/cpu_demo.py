@@ -107,6 +107,10 @@ DEMO_DEFAULTS = dict(
     # stays under 10 minutes on a 2-core CPU without native bf16 (~28 s per float32 step there)
     max_steps=12,
     **TRAINING_SETTINGS,
+    # a constant learning rate: with TRL's linear decay to 0 over 12 steps, the answer format is learned later, so
+    # completions stay long: the 12 steps took 9:04 instead of 7:30 (float32, AVX2) and held-out accuracy rose less
+    # (0.23 -> 0.33 against 0.36 with a constant rate)
+    lr_scheduler_type="constant",
     logging_steps=4,
     eval_strategy="steps",
     eval_steps=12,  # the trainer's own evaluation at the end: 16 sampled completions (eval_reward), 64 greedy ones
