@@ -85,14 +85,19 @@ def native_precision(
     return NativePrecision(True, True, f"{device_type} device: left to its runtime")
 
 
+def cpuinfo_field(cpuinfo: str, keys: tuple[str, ...]) -> str | None:
+    """Pure: the first processor's value of the first of ``keys`` in a Linux ``/proc/cpuinfo`` text."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in keys and value.strip():
+            return value.strip()
+    return None
+
+
 def cpuinfo_flags(cpuinfo: str) -> frozenset[str]:
     """Pure: the feature flags of the first processor in a Linux ``/proc/cpuinfo`` text (x86 'flags', ARM
     'Features')."""
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
+    return frozenset((cpuinfo_field(cpuinfo, ("flags", "Features")) or "").split())
 
 
 def _read_cpu_flags() -> frozenset[str]:
@@ -133,12 +138,9 @@ def device_precision(device: str | torch.device = "cpu") -> NativePrecision:
 def cpu_name() -> str:
     """The CPU's model name (for benchmark tables and summaries), or the architecture where none is reported."""
     cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("model name", "Model name", "Hardware") and value.strip():
-                return value.strip()
-    return platform.processor() or platform.machine() or "unknown CPU"
+    text = cpuinfo.read_text(errors="replace") if cpuinfo.exists() else ""
+    name = cpuinfo_field(text, ("model name", "Model name", "Hardware"))
+    return name or platform.processor() or platform.machine() or "unknown CPU"
 
 
 def recipe_precision(device: str | torch.device = "cpu") -> tuple[bool | None, str]:
