@@ -101,3 +101,26 @@ def test_a_pull_descheduled_between_reading_the_version_and_the_counter_never_mi
     target = {"a": torch.zeros(3)}
     version = shared.pull_into(target, have_version=0)
     assert torch.equal(target["a"], torch.full((3,), float(version)))  # the tensors are the version it reports
+
+
+def _pull_and_report(shared, out):
+    params = {name: torch.zeros_like(t) for name, t in shared.tensors.items()}
+    out.send((shared.pull_into(params, have_version=-1), {name: float(t.sum()) for name, t in params.items()}))
+
+
+def test_a_model_of_many_tensors_reaches_a_forkserver_worker():
+    """Workers start from a forkserver, which passes a child at most ~250 file descriptors; a policy has hundreds of
+    tensors (SmolLM2-135M: 272, twice over for the double buffer). The weights must cross in a few descriptors."""
+    from trl_async.engines.transformers.worker_process import worker_context
+
+    ctx = worker_context()
+    specs = {f"t{i}": ((2, 3), torch.float32 if i % 3 else torch.bfloat16) for i in range(300)}
+    shared = SharedMemoryWeights(specs, ctx)
+    shared.publish([[(name, torch.full(shape, float(i % 50), dtype=dtype)) for i, (name, (shape, dtype)) in
+                     enumerate(specs.items())]], version=4)  # fmt: skip
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_pull_and_report, args=(shared, send))
+    child.start()
+    version, sums = receive.recv()
+    child.join(30)
+    assert version == 4 and sums == {f"t{i}": 6.0 * (i % 50) for i in range(300)}  # exact in bf16

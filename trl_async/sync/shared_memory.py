@@ -36,25 +36,53 @@ def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     return digest.hexdigest()
 
 
+def flat_layout(specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]):
+    """Where each named tensor lives in one flat tensor per dtype: ``({name: (dtype, start, torch.Size)}, {dtype:
+    total elements})``, names in spec order, each dtype's tensors back to back."""
+    layout, sizes = {}, {}
+    for name, (shape, dtype) in specs.items():
+        shape = torch.Size(shape)
+        layout[name] = (dtype, sizes.get(dtype, 0), shape)
+        sizes[dtype] = sizes.get(dtype, 0) + shape.numel()
+    return layout, sizes
+
+
 class SharedMemoryWeights:
     """Two sets of named tensors in shared memory (double buffering) with a version each, created in the trainer and
-    passed to spawned workers.
+    passed to worker processes.
 
     The trainer never waits for a worker: ``publish`` writes into the buffer that is not the newest one and then
     makes it the newest. Each buffer has a sequence counter (a seqlock): odd while it is being written, bumped again
     when done. A worker copies the newest buffer and re-reads its counter; if a publish touched the buffer meanwhile
     (two publishes during one copy), the copy is discarded and repeated, so a worker never adopts a mixed set.
     Memory: twice the policy size.
+
+    Each buffer is one flat shared tensor per dtype, and the named tensors are views into it, so a worker receives
+    the whole set in a few file descriptors: a forkserver hands a child at most ~250, and a policy has hundreds of
+    tensors.
     """
 
     def __init__(self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], mp_context) -> None:
-        self.buffers = [
-            {name: torch.zeros(shape, dtype=dtype).share_memory_() for name, (shape, dtype) in specs.items()}
+        self._layout, sizes = flat_layout(specs)
+        self._flats = [
+            {dtype: torch.zeros(max(size, 1), dtype=dtype).share_memory_() for dtype, size in sizes.items()}
             for _ in range(2)
         ]
+        self.buffers = [self._views(flats) for flats in self._flats]
         self._seq = mp_context.Array("q", 2, lock=False)  # per buffer: odd while being written
         self._versions = mp_context.Array("q", [-1, -1], lock=False)
         self._newest = mp_context.Value("q", 0, lock=False)
+
+    def _views(self, flats: Mapping[torch.dtype, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: flats[dtype][start : start + shape.numel()].view(shape)
+                for name, (dtype, start, shape) in self._layout.items()}  # fmt: skip
+
+    def __getstate__(self) -> dict:  # the flat tensors travel; the views are rebuilt on the other side
+        return {k: v for k, v in self.__dict__.items() if k != "buffers"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.buffers = [self._views(flats) for flats in self._flats]
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
