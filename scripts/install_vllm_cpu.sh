@@ -6,6 +6,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${TRL_ASYNC_VLLM_VENV:-.venv-vllm}"
+# one install at a time (.ci/run starts one in the background while the first tests run): a second caller waits here,
+# then finds the environment complete
+exec 9>"$VENV.lock"
+flock 9
 if "$VENV/bin/python" -c "import vllm, trl_async.engines.vllm.gloo_engine" 2>/dev/null; then
     exit 0
 fi

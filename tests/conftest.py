@@ -53,7 +53,8 @@ def no_rollout_children():
 
 def pytest_collection_modifyitems(items):
     """Every test is `unit` (marked in its module) or `integration`; 2-process launches are also `distributed`, and
-    tests that use the real vLLM server are also `vllm`. `pytest -m "not vllm"` skips the vLLM install and server."""
+    tests that use the real vLLM server are also `vllm` and run last. `pytest -m "not vllm"` skips the vLLM install
+    and server."""
     for item in items:
         if item.get_closest_marker("unit") is None:
             item.add_marker(pytest.mark.integration)
@@ -61,6 +62,10 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.distributed)
         if {"vllm_server", "vllm_tool_server"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.vllm)
+    # the vLLM tests last (stable order otherwise): `.ci/run` installs the vLLM environment in the background while
+    # the others run, so the first vLLM server rarely waits for it
+    uses_vllm = [item.get_closest_marker("vllm") is not None for item in items]
+    items[:] = [i for i, v in zip(items, uses_vllm) if not v] + [i for i, v in zip(items, uses_vllm) if v]
 
 
 @pytest.fixture(scope="session")

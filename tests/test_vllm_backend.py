@@ -405,6 +405,7 @@ def test_no_server_at_the_url_is_a_clear_error(tmp_path, vllm_model_dir):
     assert time.monotonic() - start < 30
 
 
+@pytest.mark.vllm  # its own server, which it kills
 def test_a_server_that_dies_mid_run_stops_training_with_an_error_naming_it(tmp_path, vllm_model_dir):
     from tests.vllm_server import start_server
 
