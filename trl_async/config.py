@@ -125,12 +125,26 @@ class AsyncFields:
             "(os.sched_getaffinity) divided among the workers, at least 1."
         },
     )
+    rollout_cpu_affinity: str | None = field(
+        default=None,
+        metadata={
+            "help": "CPU cores the rollout workers run on, as `taskset -c` writes them ('1', '0-3', '4-7,12'; a "
+            "list of ints also works); the trainer process keeps the other cores it may run on while it trains. "
+            "Workers share the given cores out in contiguous runs, each with as many torch threads as cores (unless "
+            "rollout_torch_threads); the trainer gets as many threads as it keeps cores. This is how a CPU server "
+            "gives generation its own cores (and how one emulates a dedicated generation device). With "
+            "rollout_backend='vllm' only the trainer is pinned: start the server with `taskset -c CORES` and "
+            "VLLM_CPU_OMP_THREADS_BIND=CORES. Linux. Default: no pinning (both sides share every core, the workers "
+            "at lower priority, see rollout_nice)."
+        },
+    )
     rollout_nice: int | None = field(
         default=None,
         metadata={
             "help": "Scheduling niceness added to each rollout worker process (0-19; 19 = lowest priority). Default: "
             "19 when the workers generate on the CPU (they fill the trainer's idle moments instead of competing "
-            "with it for the cores the two share), 0 on a GPU."
+            "with it for the cores the two share), 0 on a GPU or when rollout_cpu_affinity gives them cores of "
+            "their own."
         },
     )
     rollout_dtype: str | None = field(
@@ -343,6 +357,8 @@ class AsyncFields:
             "rollout_torch_threads",
             "set it to 1 or more, or None for the cores available divided among the workers",
         )
+        if self.rollout_cpu_affinity is not None:
+            self.validate_cpu_affinity()
         need(
             self.rollout_nice is None or (isinstance(self.rollout_nice, int) and 0 <= self.rollout_nice <= 19),
             "rollout_nice",
@@ -408,6 +424,28 @@ class AsyncFields:
                 stacklevel=3,
             )
 
+    def validate_cpu_affinity(self) -> None:
+        from .cores import allowed_cores, parse_cpu_list, split_cores
+
+        def refuse(why: str):
+            raise ValueError(f"AsyncGRPOConfig.rollout_cpu_affinity={self.rollout_cpu_affinity!r} is invalid: {why}")
+
+        allowed = allowed_cores()
+        if allowed is None:
+            refuse("this OS does not let a process choose its cores (no os.sched_setaffinity); leave it None")
+        try:
+            split_cores(parse_cpu_list(self.rollout_cpu_affinity), allowed, self.num_rollout_workers)
+        except ValueError as exc:
+            refuse(str(exc))
+
+    def core_split(self):
+        """``CoreSplit`` of ``rollout_cpu_affinity`` against this process's cores now, or ``None`` when unset."""
+        from .cores import allowed_cores, parse_cpu_list, split_cores
+
+        if self.rollout_cpu_affinity is None:
+            return None
+        return split_cores(parse_cpu_list(self.rollout_cpu_affinity), allowed_cores(), self.num_rollout_workers)
+
     @property
     def resolved_rollout_threads(self) -> int:
         if self.rollout_torch_threads is not None:
@@ -432,6 +470,8 @@ class AsyncFields:
     def resolved_rollout_nice(self) -> int:
         if self.rollout_nice is not None:
             return self.rollout_nice
+        if self.rollout_cpu_affinity is not None:
+            return 0  # cores of their own: nothing to yield to
         return 19 if torch.device(self.rollout_device).type == "cpu" else 0
 
     @property

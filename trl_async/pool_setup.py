@@ -99,6 +99,7 @@ def process_backend(trainer, model) -> ProcessBackend:
     args, a = trainer.args, trainer.async_args
     base = model.get_base_model() if is_peft_model(model) else model
     fp16 = args.fp16 and trainer.accelerator.device.type != "cpu"  # accelerate autocasts only bf16 on a CPU
+    split = trainer._core_split  # rollout_cpu_affinity: each worker's cores
     specs = [
         WorkerSpec(
             worker_id=i,
@@ -113,10 +114,11 @@ def process_backend(trainer, model) -> ProcessBackend:
             eos_token_ids=tuple(trainer.eos_token_ids),
             pad_token_id=trainer._tokenizer.pad_token_id,
             weight_update=a.resolved_weight_update,
-            torch_threads=a.resolved_rollout_threads,
+            torch_threads=(a.rollout_torch_threads or len(split.workers[i])) if split else a.resolved_rollout_threads,
             nice=a.resolved_rollout_nice,
             seed=args.seed + 1 + i + 100_003 * trainer.state.global_step,
             verify_weights=a.rollout_verify_weights,
+            cpu_affinity=split.workers[i] if split else None,
         )
         for i in range(a.num_rollout_workers)
     ]

@@ -108,3 +108,5 @@ class WorkerFailed:
 class WorkerReady:
     worker_id: int
     pid: int
+    cores: tuple[int, ...] = ()  # where it runs (os.sched_getaffinity), as it reports it
+    torch_threads: int = 0

@@ -25,6 +25,7 @@ from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
 from .config import async_fields_of
+from .cores import PinnedTrainer
 from .correction import off_policy_correction
 from .pool_setup import start_pool
 from .progress import AsyncProgressCallback, batch_metrics
@@ -112,6 +113,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         geometry = pool_geometry(self.args, self.num_generations, self.async_args)
         self._groups_per_batch, self._steps_per_batch, self._queue_size, self._rollout_batch_groups = geometry
         self._pool: RolloutPool | None = None  # main process only
+        self._core_split = None  # rollout_cpu_affinity: the trainer's and each worker's cores (cores.CoreSplit)
+        self._pinned: PinnedTrainer | None = None  # rollout_cpu_affinity, while training
         self._scorers: list[RewardScorer] = []  # one per scoring thread of the pool, main process only
         self._tool_runner: ToolRunner | None = None  # with tools, main process only
         self._pool_started = False
@@ -146,6 +149,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         for scorer in self._scorers:  # after the pool: its scoring threads have stopped
             scorer.close()
         self._scorers = []
+        if self._pinned is not None:  # rollout_cpu_affinity: the trainer gets its cores and threads back
+            self._pinned.restore()
+            self._pinned = None
 
     @property
     def rollout_pool(self) -> RolloutPool | None:
@@ -176,6 +182,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if self.accelerator.num_processes > 1 and self.accelerator.is_main_process != (dist.get_rank() == 0):
             raise RuntimeError("the main process must be torch.distributed rank 0: weight sync streams to rank 0")
         if self.accelerator.is_main_process:
+            self._core_split = self.async_args.core_split()  # against this process's cores before pinning
+            if self._core_split is not None:  # before the workers start: they then pin themselves to their own
+                self._pinned = PinnedTrainer(self._core_split.trainer)
             saved = self.state.stateful_callbacks.get(PromptProgress.__name__) if self.state.global_step else None
             self._pool = start_pool(self, saved["args"] if isinstance(saved, dict) else None)
         self._pool_started = True

@@ -41,6 +41,7 @@ class Lanes:
         self.worker_versions: dict[int, int] = {}
         self.worker_restarts = 0
         self.lost_workers: list[str] = []  # why each lost worker was lost
+        self.placement: dict[int, tuple[tuple[int, ...], int]] = {}  # worker id -> (its cores, torch threads)
         self.verified_adoptions = 0
         self._expected_digests: dict[int, str] = {}
         self._last_call: dict[int, float] = {}
@@ -98,7 +99,7 @@ class Lanes:
         elif isinstance(msg, WorkerFailed):
             raise RolloutWorkerError(f"rollout worker {msg.worker_id} failed:\n{msg.error}")
         elif isinstance(msg, WorkerReady):
-            pass
+            self.placement[msg.worker_id] = (msg.cores, msg.torch_threads)
 
     def _replace(self, i: int, why: str) -> None:
         """A lane is lost: what it held goes back to the pool, and it is restarted with the newest weights, or the

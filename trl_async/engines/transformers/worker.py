@@ -43,6 +43,7 @@ class WorkerSpec:
     nice: int
     seed: int
     verify_weights: bool
+    cpu_affinity: tuple[int, ...] | None = None  # the cores it runs on (rollout_cpu_affinity), else inherited
 
 
 WARPER_FIELDS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
@@ -222,6 +223,8 @@ def worker_main(spec: WorkerSpec, weights: SharedMemoryWeights, tasks, results, 
     try:
         if spec.nice:
             os.nice(spec.nice)
+        if spec.cpu_affinity:
+            os.sched_setaffinity(0, spec.cpu_affinity)
         torch.set_num_threads(spec.torch_threads)
         torch.manual_seed(spec.seed)
         model = build_policy_copy(spec)
@@ -240,7 +243,8 @@ def worker_main(spec: WorkerSpec, weights: SharedMemoryWeights, tasks, results, 
         while weights.version < 0:  # the trainer publishes right after starting the workers
             time.sleep(0.01)
         adopt()
-        results.send(WorkerReady(spec.worker_id, os.getpid()))
+        cores = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
+        results.send(WorkerReady(spec.worker_id, os.getpid(), cores, torch.get_num_threads()))
         in_flight = adopt if spec.weight_update == "decode_step" else None
         while True:
             chunk = tasks.recv()  # admitted groups for one generate call, or None to stop
