@@ -68,7 +68,11 @@ def test_workers_run_on_the_cores_given_and_the_trainer_on_the_rest_with_threads
 
     args = async_args(tmp_path, max_steps=2, rollout_cpu_affinity=",".join(map(str, rollout)))
     trainer = AsyncGRPOTrainer(
-        model=tiny_model_dir, reward_funcs=letter_reward, args=args, train_dataset=text_dataset(), callbacks=[Inspect()]
+        model=tiny_model_dir,
+        reward_funcs=letter_reward,
+        args=args,
+        train_dataset=text_dataset(),
+        callbacks=[Inspect()],
     )
     trainer.train()
     assert seen["worker"] == rollout and seen["trainer"] == {trainer_cores}  # every trainer thread, not just main
