@@ -98,6 +98,7 @@ def test_recipe_runs_the_arithmetic_task_on_the_real_model(tmp_path, capsys):
         "--config", str(ROOT / "recipes/configs/arithmetic_cpu.yaml"), "--output_dir", str(tmp_path / "out"),
         "--max_steps", "2", "--eval_steps", "2", "--heldout_size", "8", "--per_device_train_batch_size", "8",
         "--num_generations", "4", "--per_device_eval_batch_size", "8", "--disable_tqdm", "true",
+        "--max_completion_length", "16",  # the recipe runs end to end; its learning is the demo's check (.ci/run)
     ]  # fmt: skip
     script_args, training_args, model_args = gsm8k_async.make_parser(argv).parse_args_and_config(argv)
     assert script_args.task == "arithmetic" and model_args.model_name_or_path is None
