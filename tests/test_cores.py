@@ -1,6 +1,7 @@
 """rollout_cpu_affinity: which cores the rollout workers run on, and the trainer keeping the rest."""
 
 import os
+import threading
 
 import pytest
 import torch
@@ -56,16 +57,23 @@ def test_a_bad_affinity_is_refused_at_construction_naming_the_field(tmp_path):
 def test_workers_run_on_the_cores_given_and_the_trainer_on_the_rest_with_threads_to_match(tmp_path, tiny_model_dir):
     rollout, trainer_cores = ALLOWED[-1:], ALLOWED[:-1]
     threads_before = torch.get_num_threads()
+    torch.set_num_threads(len(ALLOWED))  # so that the trainer's share (fewer threads) is a visible change
     seen = {}
+
+    def thread_cores(pid):
+        return {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir(f"/proc/{pid}/task")}
 
     class Inspect(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             (process,) = trainer.rollout_pool.processes
-            seen["worker"] = tuple(sorted(os.sched_getaffinity(process.pid)))
-            seen["trainer"] = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
+            seen["worker"] = thread_cores(process.pid)  # every worker thread (its heartbeat thread too)
+            seen["trainer"] = thread_cores(os.getpid())  # every trainer thread, also those started before training
             seen["trainer_threads"] = torch.get_num_threads()
             seen["nice"] = os.getpriority(os.PRIO_PROCESS, process.pid) - os.getpriority(os.PRIO_PROCESS, 0)
 
+    stop = threading.Event()
+    earlier = threading.Thread(target=stop.wait, daemon=True)  # a thread of the user's, started before train()
+    earlier.start()
     args = async_args(tmp_path, max_steps=2, rollout_cpu_affinity=",".join(map(str, rollout)))
     trainer = AsyncGRPOTrainer(
         model=tiny_model_dir,
@@ -74,8 +82,12 @@ def test_workers_run_on_the_cores_given_and_the_trainer_on_the_rest_with_threads
         train_dataset=text_dataset(),
         callbacks=[Inspect()],
     )
-    trainer.train()
-    assert seen["worker"] == rollout and seen["trainer"] == {trainer_cores}  # every trainer thread, not just main
-    assert seen["trainer_threads"] == len(trainer_cores) and seen["nice"] == 0  # its own cores: no need to yield
-    assert trainer.last_rollout_pool.placement == {0: (rollout, len(rollout))}  # what the worker itself reported
-    assert tuple(sorted(os.sched_getaffinity(0))) == ALLOWED and torch.get_num_threads() == threads_before  # restored
+    try:
+        trainer.train()
+        assert seen["worker"] == {rollout} and seen["trainer"] == {trainer_cores}
+        assert seen["trainer_threads"] == len(trainer_cores) and seen["nice"] == 0  # its own cores: no need to yield
+        assert trainer.last_rollout_pool.placement == {0: (rollout, len(rollout))}  # as the worker reported it
+        assert thread_cores(os.getpid()) == {ALLOWED} and torch.get_num_threads() == len(ALLOWED)  # restored
+    finally:
+        stop.set()
+        torch.set_num_threads(threads_before)

@@ -139,19 +139,21 @@ class AsyncGRPOTrainer(GRPOTrainer):
         """Stop and join every rollout worker (``train`` does this itself). The closed pool stays readable as
         ``last_rollout_pool`` (its counters: drops, verified weight adoptions, worker pids)."""
         self._pool_started = False
-        if self._pool is not None:
-            pool, self._pool = self._pool, None
-            self.last_rollout_pool = pool
-            pool.close()
-        if self._tool_runner is not None:  # after the pool: its episode runner has stopped
-            self._tool_runner.close()
-            self._tool_runner = None
-        for scorer in self._scorers:  # after the pool: its scoring threads have stopped
-            scorer.close()
-        self._scorers = []
-        if self._pinned is not None:  # rollout_cpu_affinity: the trainer gets its cores and threads back
-            self._pinned.restore()
-            self._pinned = None
+        try:
+            if self._pool is not None:
+                pool, self._pool = self._pool, None
+                self.last_rollout_pool = pool
+                pool.close()
+            if self._tool_runner is not None:  # after the pool: its episode runner has stopped
+                self._tool_runner.close()
+                self._tool_runner = None
+            for scorer in self._scorers:  # after the pool: its scoring threads have stopped
+                scorer.close()
+            self._scorers = []
+        finally:
+            if self._pinned is not None:  # rollout_cpu_affinity: the trainer gets its cores and threads back
+                pinned, self._pinned = self._pinned, None
+                pinned.restore()
 
     @property
     def rollout_pool(self) -> RolloutPool | None:
@@ -182,11 +184,11 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if self.accelerator.num_processes > 1 and self.accelerator.is_main_process != (dist.get_rank() == 0):
             raise RuntimeError("the main process must be torch.distributed rank 0: weight sync streams to rank 0")
         if self.accelerator.is_main_process:
-            self._core_split = self.async_args.core_split()  # against this process's cores before pinning
-            if self._core_split is not None:  # before the workers start: they then pin themselves to their own
-                self._pinned = PinnedTrainer(self._core_split.trainer)
+            self._core_split = self.async_args.core_split()  # against this process's cores, before pinning
             saved = self.state.stateful_callbacks.get(PromptProgress.__name__) if self.state.global_step else None
             self._pool = start_pool(self, saved["args"] if isinstance(saved, dict) else None)
+            if self._core_split is not None:  # after the workers' forkserver started (it keeps the mask it had)
+                self._pinned = PinnedTrainer(self._core_split.trainer)
         self._pool_started = True
         self._publish_weights(self.state.global_step)
 

@@ -65,10 +65,10 @@ class SharedMemoryWeights:
     def __init__(self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], mp_context) -> None:
         self._layout, sizes = flat_layout(specs)
         self._flats = [
-            {dtype: torch.zeros(max(size, 1), dtype=dtype).share_memory_() for dtype, size in sizes.items()}
+            {dtype: torch.empty(max(size, 1), dtype=dtype).share_memory_() for dtype, size in sizes.items()}
             for _ in range(2)
         ]
-        self.buffers = [self._views(flats) for flats in self._flats]
+        self.buffers = [self._views(flats) for flats in self._flats]  # unset until written: no version reads them
         self._seq = mp_context.Array("q", 2, lock=False)  # per buffer: odd while being written
         self._versions = mp_context.Array("q", [-1, -1], lock=False)
         self._newest = mp_context.Value("q", 0, lock=False)

@@ -219,12 +219,12 @@ def worker_main(spec: WorkerSpec, weights: SharedMemoryWeights, tasks, results, 
     """Process entry point. ``tasks``/``results`` are this worker's own pipe ends (a killed worker cannot corrupt
     another worker's channel); ``heartbeat`` is a shared double it refreshes every ``HEARTBEAT_INTERVAL_S``. Stops on
     a ``None`` task; reports any exception as ``WorkerFailed`` and exits."""
-    threading.Thread(target=_beat, args=(heartbeat,), name="trl_async-heartbeat", daemon=True).start()
     try:
+        if spec.cpu_affinity:  # before any thread starts: threads inherit the calling thread's cores (and nice)
+            os.sched_setaffinity(0, spec.cpu_affinity)
         if spec.nice:
             os.nice(spec.nice)
-        if spec.cpu_affinity:
-            os.sched_setaffinity(0, spec.cpu_affinity)
+        threading.Thread(target=_beat, args=(heartbeat,), name="trl_async-heartbeat", daemon=True).start()
         torch.set_num_threads(spec.torch_threads)
         torch.manual_seed(spec.seed)
         model = build_policy_copy(spec)

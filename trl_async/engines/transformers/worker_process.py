@@ -142,13 +142,15 @@ def worker_context():
     """The multiprocessing context workers start in: a forkserver that has imported torch, transformers and the
     worker once, so each worker (and each restart) is a fork of it instead of a fresh interpreter importing them
     again (~3.5 s of CPU per worker on a 2-core EPYC). The forkserver starts with the first worker, so workers see the
-    environment of that moment (``OMP_WAIT_POLICY`` included, see ``_worker_environment``); it never imports
-    ``__main__`` (``_no_main_reimport``). Where there is no forkserver (Windows), workers are spawned."""
+    environment, CPU mask and output streams of that moment (``OMP_WAIT_POLICY`` included, see
+    ``_worker_environment``), and it is one per process: a later trainer in the same process reuses it. ``__main__``
+    is not in its preload list and is hidden while it starts (``_no_main_reimport``). Off Linux (macOS, where CPython
+    itself avoids forking after such imports; Windows, which has no forkserver) workers are spawned."""
     import multiprocessing
 
     import torch
 
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    if sys.platform != "linux" or "forkserver" not in multiprocessing.get_all_start_methods():
         return torch.multiprocessing.get_context("spawn")
     ctx = torch.multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "transformers", "transformers.generation", __name__])
@@ -161,7 +163,6 @@ class ProcessBackend:
     restartable = True
 
     def __init__(self, specs: list[WorkerSpec], weight_specs: dict, groups_per_call: int) -> None:
-
         self.specs = specs
         self.ctx = worker_context()
         self.weights = SharedMemoryWeights(weight_specs, self.ctx)
