@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 from trl import GRPOConfig
 
+from .cores import allowed_cores, parse_cpu_list, split_cores
 from .precision import NativePrecision
 
 ROLLOUT_BACKENDS = ("transformers", "vllm")
@@ -26,8 +27,9 @@ DEFAULT_CAPS = {"decoupled": 5.0}  # AReaL's behav_imp_weight_cap in its example
 
 
 def available_cores() -> int:
-    """Cores this process may run on (its CPU affinity where the OS reports one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """How many cores this process may run on (its CPU affinity where the OS reports one)."""
+    cores = allowed_cores()
+    return len(cores) if cores else os.cpu_count() or 1
 
 
 @dataclass
@@ -425,8 +427,6 @@ class AsyncFields:
             )
 
     def validate_cpu_affinity(self) -> None:
-        from .cores import allowed_cores, parse_cpu_list, split_cores
-
         def refuse(why: str):
             raise ValueError(f"AsyncGRPOConfig.rollout_cpu_affinity={self.rollout_cpu_affinity!r} is invalid: {why}")
 
@@ -440,8 +440,6 @@ class AsyncFields:
 
     def core_split(self):
         """``CoreSplit`` of ``rollout_cpu_affinity`` against this process's cores now, or ``None`` when unset."""
-        from .cores import allowed_cores, parse_cpu_list, split_cores
-
         if self.rollout_cpu_affinity is None:
             return None
         return split_cores(parse_cpu_list(self.rollout_cpu_affinity), allowed_cores(), self.num_rollout_workers)
