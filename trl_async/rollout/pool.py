@@ -45,6 +45,9 @@ class ScoredGroup:
     rewards: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # (num_generations, num_reward_funcs)
     extra_logs: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
+    # the dataset row as read once, when the group was admitted: what the workers sampled from, the rewards scored and
+    # GRPOTrainer trains on (a row read again can differ: a template printing the date, a random transform)
+    row: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -80,14 +83,16 @@ class RolloutPool:
         backend: ProcessBackend | VLLMBackend,
         settings: PoolSettings,
         prompts: PromptStream,
-        tokenize_row: Callable[[int], tuple[int, ...]],
-        score_group: Callable[[RolloutGroup, list | None], ScoredGroup],
+        read_row: Callable[[int], dict],
+        tokenize_row: Callable[[int, dict], tuple[int, ...]],
+        score_group: Callable[[RolloutGroup, dict, list | None], ScoredGroup],
         episodes: Callable[..., EpisodeRunner] | None = None,
     ) -> None:
         """``episodes`` (multi-turn rollouts with tools): builds the ``EpisodeRunner`` that turns each group's first
         turn into whole episodes, given ``submit_turn``, ``finished`` and ``fail`` callbacks."""
         self.settings = settings
         self._prompts = prompts
+        self._read_row = read_row
         self._tokenize_row = tokenize_row
         self._score_group = score_group
         self.backend = backend
@@ -99,6 +104,7 @@ class RolloutPool:
         self._consumed = 0
         self._next_group_id = 0
         self._positions: dict[int, int] = {}  # group id -> its prompt's stream position (prompts.PromptStream)
+        self._rows: dict[int, dict] = {}  # group id -> its dataset row, read once at admission (ScoredGroup.row)
         self._ready: deque[ScoredGroup] = deque()
         self.dropped_samples = 0
         self.dropped_groups = 0
@@ -115,7 +121,8 @@ class RolloutPool:
         self.abandoned_groups = 0  # environments: groups whose reset raised
         self._abandoned_in_a_row = 0
         self._episodes = None if episodes is None else episodes(
-            submit_turn=self._submit_turn, finished=self._to_score.put, fail=self._fail, abandon=self._abandon
+            submit_turn=self._submit_turn, finished=self._to_score.put, fail=self._fail, abandon=self._abandon,
+            row=self.row,
         )  # fmt: skip
 
         self.lanes = Lanes(backend, settings, self._cv, self.activity, self._deliver, self._requeue, self._fail)
@@ -175,7 +182,7 @@ class RolloutPool:
                     )
                 self._cv.wait(timeout=0.2)
             self._consumed += n
-            self._prompts.taken([self._positions.pop(g.group.group_id) for g in taken], consumer_version)
+            self._prompts.taken([self._forget(g.group.group_id) for g in taken], consumer_version)
             self._cv.notify_all()
             now = time.perf_counter()
             tokens, self._tokens_since_take = self._tokens_since_take, 0
@@ -196,12 +203,24 @@ class RolloutPool:
         with self._cv:
             return self._prompts.progress(done_up_to_version)
 
+    def row(self, group_id: int) -> dict:
+        """The dataset row of an admitted group, as read at admission (episode and rollout_func runners start from
+        it)."""
+        with self._cv:
+            return self._rows[group_id]
+
+    def _forget(self, group_id: int) -> int:
+        """A group leaves the pool (trained, dropped, abandoned or requeued; caller holds the lock): its stream
+        position."""
+        self._rows.pop(group_id, None)
+        return self._positions.pop(group_id)
+
     def _drop_stale(self, group: RolloutGroup) -> None:
         """Never train on ``group``; generate its prompt again (caller holds the lock)."""
         self._admitted -= 1
         self.dropped_groups += 1
         self.dropped_samples += len(group.completion_ids)
-        self._prompts.push_front(self._positions.pop(group.group_id), group.prompt_index)
+        self._prompts.push_front(self._forget(group.group_id), group.prompt_index)
         if self._episodes is not None:
             self._episodes.release(group.group_id)
         self._cv.notify_all()
@@ -329,7 +348,9 @@ class RolloutPool:
                     for _ in range(n):
                         position, index = self._prompts.next()
                         self._positions[self._next_group_id] = position
-                        prompt_ids = () if starts else self._tokenize_row(index)  # environments: the runner renders
+                        row = self._rows[self._next_group_id] = self._read_row(index)
+                        # environments: the runner renders each episode's prompt itself
+                        prompt_ids = () if starts else self._tokenize_row(index, row)
                         chunk.append(RolloutTask(self._next_group_id, index, prompt_ids, version))
                         self._next_group_id += 1
                     if starts:  # environments: reset first; the first turn then comes back as a later turn
@@ -360,7 +381,7 @@ class RolloutPool:
             self.abandoned_groups += 1
             self._abandoned_in_a_row += 1
             # done as far as resuming is concerned, whatever the checkpoint's step
-            self._prompts.taken([self._positions.pop(task.group_id)], -(2**62))
+            self._prompts.taken([self._forget(task.group_id)], -(2**62))
             limit = 2 * self.settings.groups_per_batch + 2
             if self._abandoned_in_a_row >= limit:  # a reset that always raises: stop, not spin through the data
                 self._error = self._error or RuntimeError(
@@ -391,7 +412,7 @@ class RolloutPool:
         line; later turns of episodes under way generated again from the same context (the episode keeps its
         tools' results), first in line."""
         for task in reversed(first_turns):
-            self._prompts.push_front(self._positions.pop(task.group_id), task.prompt_index)
+            self._prompts.push_front(self._forget(task.group_id), task.prompt_index)
         self._admitted -= len(first_turns)
         self._later_turns.extendleft(reversed(later_turns))
 
@@ -414,10 +435,11 @@ class RolloutPool:
                     self.dropped_unscored += 1
                     self._drop_stale(group)
                     continue
+                row = self._rows[group.group_id]
             started = time.time()
             environments = self._episodes.instances(group.group_id) if self._episodes is not None else None
             try:
-                scored = self._score_group(group) if environments is None else self._score_group(group, environments)
+                scored = self._score_group(group, row, environments)
             finally:
                 if environments is not None:
                     self._episodes.release(group.group_id)
