@@ -258,3 +258,26 @@ def test_a_stopped_worker_without_restarts_left_is_an_error_not_a_hang():
     finally:
         pool.close()
     assert not any(p.is_alive() for p in pool.processes)
+
+
+def test_a_worker_reporting_a_version_the_moment_it_is_visible_is_verified_not_a_mismatch():
+    """A fast worker adopts a version as soon as it becomes visible and reports its digest; the trainer must already
+    know the digest it published (else a false "digest mismatch" stops training)."""
+    from trl_async.records import WeightsAdopted
+
+    pool, model = make_pool(max_staleness=1)
+    try:
+        publish = pool.backend.publish
+
+        def publish_and_report_at_once(buckets, version, digest=None, ready=None):
+            publish(buckets, version, digest, ready)  # visible to the workers from here on
+            pool.lanes._on_adopted(WeightsAdopted(0, version, digest.hexdigest()))  # the report, before we return
+
+        pool.backend.publish = publish_and_report_at_once
+        verified = pool.verified_adoptions
+        with torch.no_grad():
+            next(model.parameters()).add_(0.01)
+        pool.publish([list(model.named_parameters())], version=1)
+        assert pool.verified_adoptions == verified + 1
+    finally:
+        pool.close()

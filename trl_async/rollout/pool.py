@@ -147,9 +147,9 @@ class RolloutPool:
         them at their next safe point. Returns the seconds it took."""
         start = time.perf_counter()
         digest = Digest() if self.settings.verify_weights else None
-        self.backend.publish(buckets, version, digest)
-        if digest is not None:
-            self.lanes.expect_digest(version, digest.hexdigest())
+        # the digest is recorded before the version becomes visible: a fast worker may report adopting it at once
+        ready = None if digest is None else (lambda: self.lanes.expect_digest(version, digest.hexdigest()))
+        self.backend.publish(buckets, version, digest, ready)
         with self._cv:
             self._published = version
             self._cv.notify_all()

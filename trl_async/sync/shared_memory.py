@@ -10,7 +10,7 @@ half-written set: after ``pull_into`` returns version ``v``, the worker's tensor
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -101,11 +101,16 @@ class SharedMemoryWeights:
         return int(self._versions[self._newest.value])
 
     def publish(
-        self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]], version: int, digest: Digest | None = None
+        self,
+        buckets: Iterable[Iterable[tuple[str, torch.Tensor]]],
+        version: int,
+        digest: Digest | None = None,
+        ready: Callable[[], None] | None = None,
     ) -> None:
         """Copy every bucket's ``(name, tensor)`` pairs into the spare buffer (each name exactly once, in spec order
         when a ``digest`` is fed), then make it the newest with ``version``. Each bucket is copied before the next
-        one is requested. On error the newest buffer is untouched."""
+        one is requested. On error the newest buffer is untouched. ``ready`` is called once the set is complete (the
+        digest final) and before any worker can see it: a worker may adopt it the moment it is visible."""
         spare = 1 - self._newest.value
         target = self.buffers[spare]
         self._seq[spare] += 1  # odd: being written
@@ -125,6 +130,8 @@ class SharedMemoryWeights:
             self._versions[spare] = version
         finally:
             self._seq[spare] += 1  # even again
+        if ready is not None:
+            ready()
         self._newest.value = spare
 
     def pull_into(self, params: Mapping[str, torch.Tensor], have_version: int) -> int | None:

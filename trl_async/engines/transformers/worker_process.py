@@ -175,8 +175,8 @@ class ProcessBackend:
     def publish_target(self):
         return self.weights.spare_tensors
 
-    def publish(self, buckets, version: int, digest=None) -> None:
-        self.weights.publish(buckets, version, digest)
+    def publish(self, buckets, version: int, digest=None, ready=None) -> None:
+        self.weights.publish(buckets, version, digest, ready)
 
     def close(self) -> None:
         pass

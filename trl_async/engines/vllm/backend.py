@@ -246,7 +246,10 @@ class VLLMBackend:
     def publish_target(self) -> None:
         return None  # weights stream to the servers; nothing to write in place
 
-    def publish(self, buckets: Buckets, version: int, digest=None) -> None:
+    def publish(self, buckets: Buckets, version: int, digest=None, ready=None) -> None:
+        # no digest here (rollout_verify_weights is refused with vLLM: its kernels do not reproduce the trainer's)
+        if ready is not None:
+            ready()
         self.pusher.push(buckets, version, self.pause_mode)
         for lane in self.lanes:
             lane.adopted(version)
