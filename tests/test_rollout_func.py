@@ -373,3 +373,52 @@ def test_rollout_func_with_tools_is_refused_with_the_reason(tmp_path, tiny_model
         AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                          args=async_args(tmp_path), train_dataset=text_dataset(), tools=[tool],
                          rollout_func=lambda prompts, trainer: {})  # fmt: skip
+
+
+class ThreadedRollout:
+    """Samples each prompt from a thread pool of its own, with a shorter token budget (max_new_tokens=3)."""
+
+    def __init__(self):
+        self.threads: set[str] = set()
+
+    def __call__(self, prompts, trainer):
+        from concurrent.futures import ThreadPoolExecutor
+
+        tokenizer = trainer.processing_class
+        ids = [tokenizer(p)["input_ids"] for p in prompts]
+
+        def one(prompt_ids):
+            self.threads.add(threading.current_thread().name)
+            return trainer.rollout_generate([prompt_ids], max_new_tokens=3)
+
+        with ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(one, ids))
+        return {"prompt_ids": ids, "completion_ids": [o["completion_ids"][0] for o in outs],
+                "logprobs": [o["logprobs"][0] for o in outs], "origin": list(prompts)}  # fmt: skip
+
+
+def test_a_rollout_func_sampling_from_its_own_threads_runs_in_evaluation_and_leaves_the_workers_budget(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    from trl import GRPOTrainer
+
+    budgets_during_eval = []  # the workers' token budget while an evaluation rollout samples with its own
+    generate = GRPOTrainer._generate_single_turn
+
+    def watched(self, *args, **kwargs):
+        if not self.model.training and self._pool is not None:
+            budgets_during_eval.append(self._pool.backend.specs[0].generation_config.max_new_tokens)
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", watched)
+    rollout = ThreadedRollout()
+    args = async_args(tmp_path, max_steps=4, per_device_eval_batch_size=8, eval_strategy="steps", eval_steps=2)
+    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=_origin_reward([]), args=args,
+                               train_dataset=text_dataset(), eval_dataset=text_dataset(4), rollout_func=rollout)  # fmt: skip
+    trainer.train()
+    assert trainer.state.global_step == 4
+    evals = [h for h in trainer.state.log_history if "eval_reward" in h]
+    assert len(evals) == 2 and all(math.isfinite(e["eval_reward"]) for e in evals)
+    assert len(rollout.threads) > 1  # sampled from several threads
+    assert budgets_during_eval and set(budgets_during_eval) == {6}  # max_completion_length, untouched
+    assert trainer.generation_config.max_new_tokens == 6

@@ -120,6 +120,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._pool_started = False
         self.last_rollout_pool: RolloutPool | None = None
         self._consuming: list[tuple[ScoredGroup, int]] | None = None  # (group, completion index) per local row
+        # an evaluation's rollout_func runs on the main thread with the trainer's model; its own threads may sample
+        # through the trainer meanwhile, one at a time (rollout_generate)
+        self._evaluation_rollout = False
+        self._trainer_generate_lock = threading.Lock()
         self.add_callback(_PublishWeights(self))
         self.add_callback(PromptProgress())
         self._live: dict[str, float] = {}  # shown in the progress bar: the last consumed batch
@@ -168,13 +172,14 @@ class AsyncGRPOTrainer(GRPOTrainer):
         runner = self._pool.runner if self._pool is not None else None
         if isinstance(runner, RolloutFuncRunner) and runner.in_rollout:
             return runner.generate(prompt_ids, max_new_tokens)
-        if threading.current_thread() is not threading.main_thread():
+        if threading.current_thread() is not threading.main_thread() and not self._evaluation_rollout:
             raise RuntimeError(
                 "rollout_generate was called on a background thread outside a running rollout (training has ended, "
                 "or a thread of your own called it on the trainer: sample through the `trainer` your rollout_func "
                 "was given); the training model is not used off the main thread"
             )
-        return generate_with_trainer_model(self, prompt_ids, max_new_tokens)
+        with self._trainer_generate_lock:  # an evaluation rollout's threads: the trainer's model, one at a time
+            return generate_with_trainer_model(self, prompt_ids, max_new_tokens)
 
     def _ensure_pool(self) -> None:
         """Start the workers (main process only) and publish the current weights as the first version. Every rank
@@ -244,8 +249,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
     # ---- background helpers (run on the pool's threads; no collectives, own tokenizer copies) ----------------------
     # ---- the generation seam ---------------------------------------------------------------------------------------
     def _generate_and_score_completions(self, inputs):
-        if not self.model.training:
-            return super()._generate_and_score_completions(inputs)
+        if not self.model.training:  # evaluation: GRPOTrainer's own generation with the trainer's model
+            self._evaluation_rollout = True
+            try:
+                return super()._generate_and_score_completions(inputs)
+            finally:
+                self._evaluation_rollout = False
         self._ensure_pool()
         payload = [None]
         if self._pool is not None:  # main process: take the next generation batch for all ranks

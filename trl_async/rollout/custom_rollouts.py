@@ -326,18 +326,19 @@ def replayed_output(rows: Sequence[tuple[RolloutGroup, int]]) -> dict:
 
 
 def generate_with_trainer_model(trainer, prompt_ids, max_new_tokens: int | None) -> dict:
-    """``rollout_generate`` outside a background rollout (evaluation, on the main thread): GRPOTrainer's own
-    generation with the trainer's model, as its evaluation would sample (no log-probs: NaN)."""
+    """``rollout_generate`` outside a background rollout (evaluation: on the main thread or the rollout's own threads,
+    one call at a time): GRPOTrainer's own generation with the trainer's model, as its evaluation would sample (no
+    log-probs: NaN)."""
     from trl import GRPOTrainer
 
-    config = trainer.generation_config
-    saved = config.max_new_tokens
+    shared = trainer.generation_config  # also the rollout workers' (their specs hold it): never changed here
     if max_new_tokens is not None:
-        config.max_new_tokens = max_new_tokens
+        trainer.generation_config = copy.deepcopy(shared)
+        trainer.generation_config.max_new_tokens = max_new_tokens
     try:
         completion_ids, _ = GRPOTrainer._generate_single_turn(trainer, [list(p) for p in prompt_ids], None, {}, 1)
     finally:
-        config.max_new_tokens = saved
+        trainer.generation_config = shared
     completion_ids = [list(c) for c in completion_ids]
     return {
         "completion_ids": completion_ids,
