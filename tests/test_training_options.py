@@ -107,3 +107,29 @@ def test_num_iterations_reuses_each_generation_batch_on_grpo_trainers_schedule_a
     assert len(losses) == max_steps and all(math.isfinite(v) for v in losses)
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     assert no_rollout_children()
+
+
+BEAM_KWARGS = {"do_sample": True, "top_k": 50, "num_beams": 2, "length_penalty": -0.1}  # TRL's own test's
+
+
+def test_beam_search_trains_as_grpo_trainer_does_with_no_behaviour_logprob(tmp_path, tiny_model_dir):
+    """TRL's test_train_with_generation_kwargs: beam search is not a sampling policy, so its tokens have no mu; they
+    train uncorrected (ratio 1, as GRPOTrainer's own generation does), every one counted, all of one version."""
+    args = async_args(tmp_path, max_steps=2, generation_kwargs=BEAM_KWARGS, rollout_trajectory_file="traj.jsonl")
+    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=letter_reward, args=args, train_dataset=text_dataset())
+    trainer.train()
+    assert trainer.state.global_step == 2
+    rows = [json.loads(line) for line in open(tmp_path / "traj.jsonl")]
+    assert rows and all(r["completion_ids"] and set(r["logprobs"]) == {None} for r in rows)
+    assert all(len(set(r["versions"])) == 1 for r in rows)  # no weight update inside a beam search
+    nan_counts = [h["is/behaviour_nan"] for h in trainer.state.log_history if "is/behaviour_nan" in h]
+    assert nan_counts and all(n > 0 for n in nan_counts)
+
+
+def test_beam_search_with_the_bypass_correction_is_refused_with_the_reason():
+    import pytest
+
+    from trl_async import AsyncGRPOConfig
+
+    with pytest.raises(ValueError, match="num_beams.*off_policy_bypass"):
+        AsyncGRPOConfig(output_dir="x", generation_kwargs=BEAM_KWARGS, off_policy_bypass=True, bf16=False, use_cpu=True)

@@ -280,6 +280,15 @@ class AsyncFields:
                 "sequence and a 'seq_*' weight would count once per token",
             )
 
+        beams = (getattr(self, "generation_kwargs", None) or {}).get("num_beams") or 1
+        need(
+            beams == 1 or not self.off_policy_bypass,
+            "off_policy_bypass",
+            f"generation_kwargs num_beams={beams} is beam search, which samples from no distribution: its tokens "
+            "have no behaviour log-prob, and the bypass takes that log-prob as the proximal policy (every beam token "
+            "would leave the loss). Use off_policy_bypass=False (beam tokens then train uncorrected, ratio 1, as "
+            "with GRPOTrainer) or num_beams=1",
+        )
         need(self.rollout_backend in ROLLOUT_BACKENDS, "rollout_backend", f"choose one of {ROLLOUT_BACKENDS}")
         need(
             self.rollout_vllm_weight_transport in WEIGHT_TRANSPORTS,

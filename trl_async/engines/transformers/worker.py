@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 import threading
 import time
@@ -130,30 +131,41 @@ def generate_groups(
         input_ids[i, width - len(r) :] = torch.tensor(r)
         attention_mask[i, width - len(r) :] = 1
 
-    config, warpers = split_sampling_warpers(model, generation_config)
+    # beam search is not a sampling policy: its tokens have no behaviour log-prob (mu is NaN: they train uncorrected,
+    # as with GRPOTrainer's own generation), and the weights stay those of the call's start (beams are reordered
+    # between steps, so no per-step record or in-flight update applies)
+    beams = getattr(generation_config, "num_beams", 1) or 1
+    config, warpers = split_sampling_warpers(model, generation_config) if beams == 1 else (generation_config, None)
     config = copy.deepcopy(config)
     if all(b is not None for b in budgets):
         config.max_new_tokens = max(budgets)  # each row is cut to its own budget below
     config.output_scores = False  # full-vocabulary scores per step: T x N x V floats (GBs at a 152k vocabulary)
     config.return_dict_in_generate = False
-    hook = _DecodeStepHook(warpers, current_version, between_steps)
+    hook = _DecodeStepHook(warpers, current_version, between_steps) if beams == 1 else None
+    version_at_start = current_version()
     started_at, start = time.time(), time.perf_counter()
     with torch.no_grad():
         sequences = model.generate(
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
             generation_config=config,
-            logits_processor=LogitsProcessorList([hook]),
+            logits_processor=LogitsProcessorList([hook] if hook is not None else []),
         )
-        hook.take_sampled(sequences[:, -1])
+        if hook is not None:
+            hook.take_sampled(sequences[:, -1])
     elapsed = time.perf_counter() - start
     tokens_NT = sequences[:, width:].cpu()
-    if not (len(hook.step_versions) == len(hook.step_logprobs) == tokens_NT.size(1)):
-        raise RuntimeError(
-            f"decode hook saw {len(hook.step_versions)} steps ({len(hook.step_logprobs)} log-probs) for "
-            f"{tokens_NT.size(1)} tokens"
-        )
-    logprobs_NT = torch.stack(hook.step_logprobs, dim=1) if hook.step_logprobs else torch.zeros(len(rows), 0)
+    if hook is None:
+        step_versions = [version_at_start] * tokens_NT.size(1)
+        logprobs_NT = torch.full(tokens_NT.shape, math.nan)
+    else:
+        step_versions = hook.step_versions
+        if not (len(hook.step_versions) == len(hook.step_logprobs) == tokens_NT.size(1)):
+            raise RuntimeError(
+                f"decode hook saw {len(hook.step_versions)} steps ({len(hook.step_logprobs)} log-probs) for "
+                f"{tokens_NT.size(1)} tokens"
+            )
+        logprobs_NT = torch.stack(hook.step_logprobs, dim=1) if hook.step_logprobs else torch.zeros(len(rows), 0)
 
     eos = torch.tensor(list(eos_token_ids))
     completions, logps, versions = [], [], []
@@ -165,7 +177,7 @@ def generate_groups(
             length = min(length, row_budget[i])
         completions.append(tuple(toks[:length]))
         logps.append(tuple(logprobs_NT[i, :length].tolist()))
-        versions.append(tuple(hook.step_versions[:length]))
+        versions.append(tuple(step_versions[:length]))
 
     groups, start = [], 0
     for task, task_rows in zip(tasks, per_task, strict=True):
