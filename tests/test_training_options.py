@@ -116,7 +116,9 @@ def test_beam_search_trains_as_grpo_trainer_does_with_no_behaviour_logprob(tmp_p
     """TRL's test_train_with_generation_kwargs: beam search is not a sampling policy, so its tokens have no mu; they
     train uncorrected (ratio 1, as GRPOTrainer's own generation does), every one counted, all of one version."""
     args = async_args(tmp_path, max_steps=2, generation_kwargs=BEAM_KWARGS, rollout_trajectory_file="traj.jsonl")
-    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=letter_reward, args=args, train_dataset=text_dataset())
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir, reward_funcs=letter_reward, args=args, train_dataset=text_dataset()
+    )
     trainer.train()
     assert trainer.state.global_step == 2
     rows = [json.loads(line) for line in open(tmp_path / "traj.jsonl")]
@@ -132,4 +134,6 @@ def test_beam_search_with_the_bypass_correction_is_refused_with_the_reason():
     from trl_async import AsyncGRPOConfig
 
     with pytest.raises(ValueError, match="num_beams.*off_policy_bypass"):
-        AsyncGRPOConfig(output_dir="x", generation_kwargs=BEAM_KWARGS, off_policy_bypass=True, bf16=False, use_cpu=True)
+        AsyncGRPOConfig(
+            output_dir="x", generation_kwargs=BEAM_KWARGS, off_policy_bypass=True, bf16=False, use_cpu=True
+        )
