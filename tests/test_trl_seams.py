@@ -1,0 +1,76 @@
+"""The two facts about GRPOTrainer's ``_compute_loss`` (TRL 1.16) that ``AsyncGRPOTrainer._compute_loss`` relies on,
+checked against the installed TRL by running its loss, so that a TRL release that changes either fails here loudly
+instead of training silently with a wrong weight. (setup.cfg allows only the TRL releases these tests ran on.)
+
+1. The policy forward (``_get_per_token_logps_and_entropies``) is the first one ``_compute_loss`` makes, and it comes
+   before ``importance_sampling_ratio`` is read: the staleness weight is set from that forward's log-probs.
+2. ``use_vllm`` is read only where the importance-sampling ratio is applied (``use_vllm and
+   vllm_importance_sampling_correction``): our weight is switched on through that seam for one call."""
+
+import linecache
+import sys
+
+import torch
+from trl import GRPOTrainer
+
+from trl_async import AsyncGRPOTrainer
+
+from .conftest import async_args, current_logps, letter_reward, loss_batch, text_dataset
+
+
+class _Recorded(dict):
+    """The loss inputs, recording which keys GRPOTrainer reads, in order, into ``events``."""
+
+    def __init__(self, data: dict, events: list) -> None:
+        super().__init__(data)
+        self.events = events
+
+    def __getitem__(self, key):
+        self.events.append(("read", key))
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.events.append(("read", key))
+        return super().get(key, default)
+
+
+def test_grpo_trainers_loss_makes_the_policy_forward_first_and_reads_use_vllm_only_for_the_ratio(
+    tmp_path, tiny_model_dir
+):
+    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=letter_reward, train_dataset=text_dataset(),
+                               args=async_args(tmp_path))  # fmt: skip
+    batch = loss_batch()
+    logps = current_logps(trainer, batch)
+    events, use_vllm_reads = [], []
+    forward = trainer._get_per_token_logps_and_entropies
+
+    def recorded_forward(*args, **kwargs):
+        events.append(("forward",))
+        return forward(*args, **kwargs)
+
+    class Spy(type(trainer)):  # records every read of use_vllm with the source line that reads it
+        @property
+        def use_vllm(self):
+            caller = sys._getframe(1)
+            use_vllm_reads.append(linecache.getline(caller.f_code.co_filename, caller.f_lineno).strip())
+            return self.__dict__["use_vllm"]
+
+        @use_vllm.setter
+        def use_vllm(self, value):
+            self.__dict__["use_vllm"] = value
+
+    trainer.__dict__["use_vllm"], trainer.vllm_importance_sampling_correction = True, True
+    trainer._get_per_token_logps_and_entropies = recorded_forward
+    trainer.__class__ = Spy
+    inputs = _Recorded({**batch, "old_per_token_logps": None, "sampling_per_token_logps": logps,
+                        "importance_sampling_ratio": torch.full_like(logps, 0.5)}, events)  # fmt: skip
+    loss = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+    assert torch.isfinite(loss)
+    forwards = [i for i, e in enumerate(events) if e == ("forward",)]
+    ratio_reads = [i for i, e in enumerate(events) if e == ("read", "importance_sampling_ratio")]
+    assert forwards and ratio_reads, events  # both happen: the ratio is applied (else our weight never reaches it)
+    assert forwards[0] < ratio_reads[0], f"GRPOTrainer reads the ratio before its policy forward: {events}"
+    assert len(forwards) == 1, f"GRPOTrainer's loss makes {len(forwards)} forwards with beta=0: {events}"
+    assert use_vllm_reads and all("vllm_importance_sampling_correction" in line for line in use_vllm_reads), (
+        f"GRPOTrainer's loss reads use_vllm elsewhere than where it applies the ratio: {use_vllm_reads}"
+    )
