@@ -269,8 +269,14 @@ def test_a_worker_reporting_a_version_the_moment_it_is_visible_is_verified_not_a
     try:
         publish = pool.backend.publish
 
+        visible_when_recorded = []
+
         def publish_and_report_at_once(buckets, version, digest=None, ready=None):
-            publish(buckets, version, digest, ready)  # visible to the workers from here on
+            def recorded():
+                visible_when_recorded.append(pool.backend.weights.version)
+                ready()
+
+            publish(buckets, version, digest, recorded)  # visible to the workers from here on
             pool.lanes._on_adopted(WeightsAdopted(0, version, digest.hexdigest()))  # the report, before we return
 
         pool.backend.publish = publish_and_report_at_once
@@ -279,5 +285,6 @@ def test_a_worker_reporting_a_version_the_moment_it_is_visible_is_verified_not_a
             next(model.parameters()).add_(0.01)
         pool.publish([list(model.named_parameters())], version=1)
         assert pool.verified_adoptions == verified + 1
+        assert visible_when_recorded == [0]  # recorded while the workers could still see only version 0
     finally:
         pool.close()

@@ -77,4 +77,38 @@ def test_a_dataset_with_a_random_transform_scores_and_trains_the_reading_that_wa
     assert trainer.state.global_step == 4 and scored and not mismatched
     tokenizer = trainer.processing_class
     for r in (json.loads(line) for line in open(tmp_path / "traj.jsonl")):
-        assert tokenizer.decode(r["prompt_ids"]) == r["prompt"]  # the prompt text logged is the one sampled from
+        sampled = tokenizer.decode(r["prompt_ids"])
+        assert sampled == r["prompt"]  # the prompt text logged is the one sampled from
+        assert sampled in scored  # and the one the rewards scored
+
+
+def test_the_pools_rendering_of_a_prompt_is_grpo_trainers(tmp_path, tiny_model_dir, tool_model_dir):
+    """The pool renders each prompt once (pool_setup.make_tokenize_row) and GRPOTrainer trains on that rendering, so it
+    must be GRPOTrainer's own: plain text, messages, with chat_template_kwargs, with tools."""
+    from trl import GRPOTrainer
+
+    from trl_async.pool_setup import make_tokenize_row
+
+    from .tool_model import multiply
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = "{% if shout %}?{% endif %}" + CHAT_TEMPLATE  # a template argument changes the text
+    text = Dataset.from_list([{"prompt": "p1:"}, {"prompt": "p22:"}])
+    chat = Dataset.from_list([{"prompt": [{"role": "user", "content": "hi 3"}]}] * 2)
+    cases = [
+        (tiny_model_dir, tokenizer, text, {}, None),
+        (tiny_model_dir, tokenizer, chat, {}, None),
+        (tiny_model_dir, tokenizer, chat, {"chat_template_kwargs": {"shout": True}}, None),
+        (tool_model_dir, None, chat, {}, [multiply]),  # its template renders the tools' schema
+    ]
+    seen = set()
+    for model, processing_class, ds, extra, tools in cases:
+        args = async_args(tmp_path, max_steps=1, **extra)
+        trainer = AsyncGRPOTrainer(model=model, reward_funcs=_count_reward, args=args, train_dataset=ds,
+                                   processing_class=processing_class, tools=tools)  # fmt: skip
+        ours = make_tokenize_row(trainer)(0, ds[0])
+        theirs = GRPOTrainer._tokenize_prompts(trainer, [ds[0]["prompt"]])[0][0]
+        decode = trainer.processing_class.decode
+        assert list(ours) == list(theirs), (extra, tools, decode(ours), decode(theirs))
+        seen.add(decode(ours))
+    assert len(seen) == 4  # each case rendered differently: the comparison covers what each option changes

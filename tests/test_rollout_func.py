@@ -380,6 +380,7 @@ class ThreadedRollout:
 
     def __init__(self):
         self.threads: set[str] = set()
+        self.evaluation_lengths: list[int] = []  # completion lengths sampled in evaluation (the trainer's model)
 
     def __call__(self, prompts, trainer):
         from concurrent.futures import ThreadPoolExecutor
@@ -389,7 +390,10 @@ class ThreadedRollout:
 
         def one(prompt_ids):
             self.threads.add(threading.current_thread().name)
-            return trainer.rollout_generate([prompt_ids], max_new_tokens=3)
+            out = trainer.rollout_generate([prompt_ids], max_new_tokens=3)
+            if isinstance(trainer, AsyncGRPOTrainer):  # evaluation passes the trainer itself (training: a view)
+                self.evaluation_lengths.append(len(out["completion_ids"][0]))
+            return out
 
         with ThreadPoolExecutor(4) as pool:
             outs = list(pool.map(one, ids))
@@ -403,12 +407,19 @@ def test_a_rollout_func_sampling_from_its_own_threads_runs_in_evaluation_and_lea
     from trl import GRPOTrainer
 
     budgets_during_eval = []  # the workers' token budget while an evaluation rollout samples with its own
+    in_flight, most_in_flight = [0], [0]
     generate = GRPOTrainer._generate_single_turn
 
     def watched(self, *args, **kwargs):
         if not self.model.training and self._pool is not None:
             budgets_during_eval.append(self._pool.backend.specs[0].generation_config.max_new_tokens)
-        return generate(self, *args, **kwargs)
+        in_flight[0] += 1
+        most_in_flight[0] = max(most_in_flight[0], in_flight[0])
+        try:
+            time.sleep(0.01)  # a window for a second, unserialised call to overlap
+            return generate(self, *args, **kwargs)
+        finally:
+            in_flight[0] -= 1
 
     monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", watched)
     rollout = ThreadedRollout()
@@ -421,4 +432,6 @@ def test_a_rollout_func_sampling_from_its_own_threads_runs_in_evaluation_and_lea
     assert len(evals) == 2 and all(math.isfinite(e["eval_reward"]) for e in evals)
     assert len(rollout.threads) > 1  # sampled from several threads
     assert budgets_during_eval and set(budgets_during_eval) == {6}  # max_completion_length, untouched
+    assert rollout.evaluation_lengths and max(rollout.evaluation_lengths) <= 3  # the rollout's own budget applied
+    assert most_in_flight[0] == 1  # the trainer's model sampled for one thread at a time
     assert trainer.generation_config.max_new_tokens == 6

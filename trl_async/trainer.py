@@ -250,11 +250,22 @@ class AsyncGRPOTrainer(GRPOTrainer):
     # ---- the generation seam ---------------------------------------------------------------------------------------
     def _generate_and_score_completions(self, inputs):
         if not self.model.training:  # evaluation: GRPOTrainer's own generation with the trainer's model
-            self._evaluation_rollout = True
+            rollout_func = self.rollout_func
+            if rollout_func is None:
+                return super()._generate_and_score_completions(inputs)
+
+            def evaluation_rollout(prompts, trainer):  # only while it runs may its own threads sample (one at a time)
+                self._evaluation_rollout = True
+                try:
+                    return rollout_func(prompts, trainer)
+                finally:
+                    self._evaluation_rollout = False
+
+            self.rollout_func = evaluation_rollout
             try:
                 return super()._generate_and_score_completions(inputs)
             finally:
-                self._evaluation_rollout = False
+                self.rollout_func = rollout_func
         self._ensure_pool()
         payload = [None]
         if self._pool is not None:  # main process: take the next generation batch for all ranks
@@ -310,12 +321,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
-        expected = [self._row_prompt_ids(g.group, j) for g, j in self._consuming]
-        if [list(p) for p in prompt_ids] != expected:
-            raise RuntimeError(
-                "the rollout workers tokenized a prompt differently from GRPOTrainer; refusing to train on "
-                "completions of a different prompt"
-            )
+        # prompt_ids are the pool's own (_tokenize_prompts below), rendered as GRPOTrainer renders them
+        # (tests/test_prompt_rows.py checks that rendering against GRPOTrainer._tokenize_prompts)
         completion_ids = [list(g.group.completion_ids[j]) for g, j in self._consuming]
         logprobs = [list(g.group.logprobs[j]) for g, j in self._consuming]
         return completion_ids, logprobs  # with tools, whole episodes: _tool_call_loop below returns them as they are

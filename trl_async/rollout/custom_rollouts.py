@@ -32,16 +32,20 @@ forwarded to the reward functions as GRPOTrainer forwards it.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import numbers
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from ..records import RolloutGroup, RolloutTask
+
+logger = logging.getLogger(__name__)
 
 REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 
@@ -185,10 +189,14 @@ class RolloutFuncRunner:
         self._waiting: dict[tuple, Future] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self._threads: set[threading.Thread] = set()  # one per running rollout, joined at close
 
     # ---- the pool's side ---------------------------------------------------------------------------------------
     def start(self, task: RolloutTask) -> None:
-        threading.Thread(target=self._run, args=(task,), name=f"trl_async-rollout-{task.group_id}", daemon=True).start()
+        thread = threading.Thread(target=self._run, args=(task,), name=f"trl_async-rollout-{task.group_id}", daemon=True)
+        with self._lock:
+            self._threads.add(thread)
+        thread.start()
 
     def on_turn(self, turn: RolloutGroup, admitted_at_version: int) -> None:
         with self._lock:
@@ -208,6 +216,17 @@ class RolloutFuncRunner:
             waiting, self._waiting = list(self._waiting.values()), {}
         for future in waiting:
             future.set_exception(_Closed())
+        # every rollout sees the close at its next rollout_generate; one busy elsewhere (its own engine, a sleep) is
+        # waited for up to timeout_s, and whatever it returns is handed to no one
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        running = [t.name for t in threads if t.is_alive()]
+        if running:
+            logger.warning("closing the rollout_func runner: %d rollout(s) still running after %.0fs (%s); their "
+                           "output is discarded when they return", len(running), timeout_s, ", ".join(running))  # fmt: skip
 
     # ---- the rollout's side ------------------------------------------------------------------------------------
     @property
@@ -275,6 +294,8 @@ class RolloutFuncRunner:
         finally:
             self._local.call = None
             self._tokenizers.put(tokenizer)
+            with self._lock:
+                self._threads.discard(threading.current_thread())
 
 
 class RolloutFuncTrainerView:

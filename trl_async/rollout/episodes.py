@@ -25,6 +25,7 @@ back to the pool. A ``reset`` that raises abandons the group (counted, logged); 
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import queue
@@ -208,6 +209,7 @@ class EpisodeRunner:
                            or getattr(tokenizer, "response_schema", None) is not None)  # fmt: skip
         self._groups: dict[int, _Group] = {}
         self._events: queue.Queue = queue.Queue()
+        self._closed = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="trl_async-episodes", daemon=True)
         self._thread.start()
 
@@ -240,29 +242,46 @@ class EpisodeRunner:
             if not episode.timed_out])  # fmt: skip
 
     def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the runner: its thread is joined, then every environment instance goes back to the pool. An event
+        still running after ``timeout_s`` (a slow ``reset`` or tool call) is not waited for: the thread releases the
+        instances itself when that call returns, and starts nothing after it."""
+        self._closed.set()
         self._events.put(None)
         self._thread.join(timeout_s)
-        for group in [*self._groups.values(), *self._held.values()]:  # shutdown: every instance back to the pool
-            if group.instances:
-                self._release(group)
+        if self._thread.is_alive():
+            logger.warning("closing the episode runner: a reset or tool call still runs after %.0fs; its environments "
+                           "are released when it returns", timeout_s)  # fmt: skip
+        else:
+            self._release_all()  # the thread has stopped (it released them itself if it saw the close)
+
+    def _release_all(self) -> None:
+        """Every held instance back to the pool (the runner's thread, or after it stopped)."""
+        groups = [*self._groups.values(), *self._held.values()]
         self._groups.clear()
         self._held.clear()
+        for group in groups:
+            if group.instances:
+                self._release(group)
 
     def _serve(self) -> None:
-        while True:
-            event = self._events.get()
-            if event is None:
-                return
-            try:
-                if event[0] == "turn":
-                    self._on_turn(event[1], event[2])
-                elif event[0] == "start":
-                    self._on_start(event[1])
-                else:
-                    self._on_tools(*event[1:])
-            except BaseException as exc:  # noqa: BLE001 - the pool fails and the trainer raises it
-                self.fail(exc)
-                return
+        try:
+            while True:
+                event = self._events.get()
+                if event is None or self._closed.is_set():
+                    return
+                try:
+                    if event[0] == "turn":
+                        self._on_turn(event[1], event[2])
+                    elif event[0] == "start":
+                        self._on_start(event[1])
+                    else:
+                        self._on_tools(*event[1:])
+                except BaseException as exc:  # noqa: BLE001 - the pool fails and the trainer raises it
+                    self.fail(exc)
+                    return
+        finally:
+            if self._closed.is_set():
+                self._release_all()
 
     def _on_start(self, task: RolloutTask) -> None:
         """Environments: one instance per episode, ``reset`` with the dataset row, the prompt with its observation."""
@@ -274,12 +293,16 @@ class EpisodeRunner:
         kwargs = {k: v for k, v in row.items() if k != "environment"} if self.multi_environment else row
         prompt = row.get("prompt", [{"role": "user", "content": ""}])
         group = _Group(None, task.admitted_at_version, [], environment=name)
+        self._groups[task.group_id] = group  # from its first instance on: released with the others at close
         for _ in range(self.num_generations):
+            if self._closed.is_set():  # closed during a slow reset: no more resets, and no turn asked for
+                return
             instance = self.environments.acquire(name)  # a factory that raises stops training (like a bad config)
             group.instances.append(instance)
             try:
-                observation = instance.reset(**kwargs)
+                observation = instance.reset(**copy.deepcopy(kwargs))  # each its own: a reset may change them
             except Exception:  # noqa: BLE001 - a user's environment: reported, the group is skipped
+                del self._groups[task.group_id]
                 self.environments.release(name, group.instances)
                 self.abandon(task, traceback.format_exc())
                 return
@@ -288,7 +311,8 @@ class EpisodeRunner:
             episode.tool_dicts = split_tools(self.standalone_tools + environment_tools(instance))
             episode.schema_tools = self.schema_tools.get(name)
             group.episodes.append(episode)
-        self._groups[task.group_id] = group
+        if self._closed.is_set():
+            return
         self.submit_turn(replace(task, prompt_ids=tuple(group.episodes[0].prompt_ids),
                                  contexts=tuple(tuple(e.prompt_ids) for e in group.episodes),
                                  rows=tuple(range(len(group.episodes)))))  # fmt: skip
