@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize(
     "config,extra",
-    [("ddp", ["--use_cpu"]), ("zero2", []), ("zero3", []), ("zero3", ["--peft"])],
-    ids=["ddp", "zero2", "zero3", "zero3-lora"],
+    [("ddp", ["--use_cpu"]), ("zero2", []), ("zero3", []), ("zero3", ["--peft"]), ("zero3_offload", [])],
+    ids=["ddp", "zero2", "zero3", "zero3-lora", "zero3-offload"],
 )
 def test_two_process_training_syncs_exact_weights(tmp_path, tiny_model_dir, config, extra):
     out = tmp_path / "result.json"
@@ -39,7 +39,7 @@ def test_two_process_training_syncs_exact_weights(tmp_path, tiny_model_dir, conf
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["num_processes"] == 2 and result["steps"] == 3
-    assert result["zero_stage"] == {"ddp": 0, "zero2": 2, "zero3": 3}[config]
+    assert result["zero_stage"] == {"ddp": 0, "zero2": 2, "zero3": 3, "zero3_offload": 3}[config]
     assert result["mismatches"] == []
     assert all("inv_freq" in name for name in result["not_compared"])  # non-persistent buffers only
     assert result["compared"] == result["expected"] - len(result["not_compared"]) >= 20

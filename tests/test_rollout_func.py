@@ -245,18 +245,24 @@ class MultiTurn:
 
 class SpanningTurns(MultiTurn):
     """The first two rollouts to start run straight through (they make step 0's batch); the next two wait between
-    their turns until step 0 is done, so their second turn samples with newer weights than their first (and are
-    the only ones step 1 can take: later rollouts wait for step 2)."""
+    their turns until version 1 (step 0's weights) is published, so their second turn samples with newer weights
+    than their first (and are the only ones step 1 can take: later rollouts wait for version 2). ``trainer`` is set
+    by the test: the waits read its pool's published version (the step count moves on before the publish)."""
 
     def __init__(self):
         super().__init__()
         self.started = 0
+        self.trainer = None
 
     def between_turns(self, trainer):
         with self.lock:
             k, self.started = self.started, self.started + 1
         deadline = time.monotonic() + 60
-        while k >= 2 and trainer.state.global_step < (1 if k < 4 else 2) and time.monotonic() < deadline:
+        target = 1 if k < 4 else 2
+        while k >= 2 and time.monotonic() < deadline:
+            pool = self.trainer.rollout_pool
+            if pool is None or (pool.published_version or 0) >= target:  # None: training has ended
+                return
             time.sleep(0.02)
 
 
@@ -271,6 +277,7 @@ def test_a_multi_turn_rollout_func_masks_its_environment_tokens_and_bounds_their
     args = async_args(tmp_path, max_steps=2, rollout_trajectory_file="traj.jsonl", max_completion_length=16)
     trainer = MaskRecorder(model=tiny_model_dir, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
                            args=args, train_dataset=text_dataset(), rollout_func=rollout)  # fmt: skip
+    rollout.trainer = trainer
     trainer.train()
     rows = [json.loads(x) for x in (tmp_path / "traj.jsonl").read_text().splitlines()]
     calls = {}

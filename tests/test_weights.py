@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from trl_async.sync.shared_memory import SharedMemoryWeights, weights_digest
@@ -124,3 +125,32 @@ def test_a_model_of_many_tensors_reaches_a_forkserver_worker():
     version, sums = receive.recv()
     child.join(30)
     assert version == 4 and sums == {f"t{i}": 6.0 * (i % 50) for i in range(300)}  # exact in bf16
+
+
+@pytest.mark.unit
+def test_a_zero3_shard_off_the_compute_device_or_swapped_out_is_not_sent_as_it_is():
+    """ZeRO-3's fast sync sends each rank's shard (``p.ds_tensor``) as it is; an offloaded shard (on another device
+    than the parameter computes on) or one swapped out to NVMe (empty, status NOT_AVAILABLE) must take DeepSpeed's
+    own gather instead."""
+    import enum
+
+    from trl_async.sync.policy import shard_resident
+
+    Status = enum.Enum("PartitionedParamStatus", ["AVAILABLE", "NOT_AVAILABLE", "INFLIGHT"])
+
+    def param(shard):
+        p = torch.nn.Parameter(torch.empty(0))  # as ZeRO-3 leaves it: empty, on the compute device
+        if shard is not None:
+            p.ds_tensor = shard
+        return p
+
+    resident = torch.zeros(4)
+    resident.status = Status.AVAILABLE
+    swapped = torch.empty(0)
+    swapped.status = Status.NOT_AVAILABLE
+    in_flight = torch.zeros(4)
+    in_flight.status = Status.INFLIGHT
+    assert shard_resident(param(resident)) and shard_resident(param(torch.zeros(4)))
+    assert not shard_resident(param(torch.zeros(4, device="meta")))  # another device than the parameter's
+    assert not shard_resident(param(swapped)) and not shard_resident(param(in_flight))
+    assert not shard_resident(param(None))  # not a ZeRO-3 parameter

@@ -164,7 +164,9 @@ class AsyncFields:
         default=300.0,
         metadata={
             "help": "Longest the trainer waits for rollouts before raising an error that says what it waited "
-            "for (includes worker start-up for the first batch)."
+            "for (includes worker start-up for the first batch). With vLLM servers also how long a server may fail "
+            "its health check while it runs a generation; one generation itself may take longer, and is never sent "
+            "twice."
         },
     )
     rollout_max_restarts: int = field(

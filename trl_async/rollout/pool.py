@@ -252,6 +252,7 @@ class RolloutPool:
     worker_restarts = property(lambda self: self.lanes.worker_restarts)
     lost_workers = property(lambda self: self.lanes.lost_workers)
     verified_adoptions = property(lambda self: self.lanes.verified_adoptions)
+    published_version = property(lambda self: self._published)  # the newest version workers can see (None: none)
     placement = property(lambda self: self.lanes.placement)  # worker id -> (cores, torch threads), as reported
 
     @property

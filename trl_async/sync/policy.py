@@ -166,14 +166,36 @@ def _zero3_full_tensors(params: list[torch.Tensor], dests: list[torch.Tensor | N
     return fulls
 
 
+def shard_resident(p: torch.Tensor) -> bool:
+    """Whether a ZeRO-3 parameter's shard (``p.ds_tensor``) is in memory on the device the parameter computes on, so
+    it can be sent as it is: not offloaded to the CPU from an accelerator (``offload_param: cpu``), not swapped out
+    to NVMe (``offload_param: nvme``: an empty tensor until DeepSpeed swaps it back in)."""
+    shard = getattr(p, "ds_tensor", None)
+    if shard is None or shard.numel() == 0:
+        return False
+    status = getattr(shard, "status", None)  # deepspeed PartitionedParamStatus: AVAILABLE, NOT_AVAILABLE, INFLIGHT
+    return shard.device == p.device and (status is None or status.name == "AVAILABLE")
+
+
 def _flat_gatherable(bucket: list[_Unit]) -> bool:
     params = [u.params[0] for u in bucket if u.params]
     return (
         all(u.plain for u in bucket)
         and bool(params)
-        and all(getattr(p, "ds_tensor", None) is not None for p in params)
+        and all(shard_resident(p) for p in params)
         and len({p.dtype for p in params}) == 1
     )
+
+
+def _on_every_rank(flags: list[bool], device: torch.device) -> list[bool]:
+    """``flags[i]`` and-ed over the ranks (one small all-reduce): every rank must take the same path per bucket."""
+    import torch.distributed as dist
+
+    if not flags or not dist.is_initialized() or dist.get_world_size() == 1:
+        return flags
+    t = torch.tensor(flags, dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return [bool(v) for v in t.tolist()]
 
 
 def iter_policy_buckets(
@@ -194,9 +216,15 @@ def iter_policy_buckets(
     ``next()``.
     """
     units = policy_units(model, persistent_only)
-    for span in plan_buckets([u.nbytes for u in units], bucket_bytes):  # the vLLM gloo receiver cuts the same way
-        bucket = [units[i] for i in span]
-        if flat_zero3 and _flat_gatherable(bucket):
+    buckets = [[units[i] for i in span] for span in plan_buckets([u.nbytes for u in units], bucket_bytes)]  # as the
+    # vLLM gloo receiver cuts them. Shards off the compute device (offloaded) take DeepSpeed's gather, and every rank
+    # must agree per bucket (its shards may be swapped in on one rank and not another)
+    flat = [False] * len(buckets)
+    if flat_zero3:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        flat = _on_every_rank([_flat_gatherable(b) for b in buckets], device)
+    for bucket, fast in zip(buckets, flat, strict=True):
+        if fast:
             with torch.no_grad():
                 shipped = [u for u in bucket if u.params]
                 dests = [out.get(u.name) if out is not None else None for u in shipped]

@@ -9,15 +9,22 @@ Standard library only, so the trainer needs neither vLLM nor an HTTP package. It
     engines can drive this client).
 A request that cannot reach the server, times out or gets a 5xx is retried with exponential backoff until
 ``retry_s`` has passed, then raises ``VLLMServerError`` naming the server; a 4xx (a request the server rejects) raises
-at once with the server's message.
+at once with the server's message. A generation is the exception to the timeout: it may take as long as it takes
+(long reasoning on a busy server), so its reply has no socket timeout; the server's liveness is watched instead
+(``GET /health``), and a generation is never sent again while the server may still be running it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import math
+import socket
+import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +32,11 @@ from dataclasses import dataclass
 
 class VLLMServerError(RuntimeError):
     """A vLLM server is unreachable, failed, or rejected a request."""
+
+
+class _NotRunning(Exception):
+    """A request the server is not running (never reached it, or it ended with the connection or a 5xx): safe to
+    send again."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +114,79 @@ class VLLMServer:
             time.sleep(delay)
             delay = min(2 * delay, 4.0)
 
+    def post_while_alive(self, path: str, body: dict, health_every_s: float = 2.0) -> dict:
+        """POST a request whose reply takes as long as the work it asks for (a generation): no socket timeout on the
+        reply; instead ``GET /health`` every ``health_every_s``, and the request is abandoned (an error, not resent)
+        once the server has failed its health check for ``request_timeout_s``. Resent, within ``retry_s``, only when
+        it cannot have run: the connection was refused or closed by the server, or it answered with a 5xx."""
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.25
+        while True:
+            try:
+                return self._post_watched(path, body, health_every_s)
+            except _NotRunning as exc:
+                why = str(exc)
+            if time.monotonic() + delay > deadline:
+                raise VLLMServerError(
+                    f"vLLM server {self.url} failed POST {path} ({why}); gave up after retrying for "
+                    f"{self.retry_s:.0f}s (rollout_vllm_retry_s)"
+                )
+            time.sleep(delay)
+            delay = min(2 * delay, 4.0)
+
+    def _post_watched(self, path: str, body: dict, health_every_s: float) -> dict:
+        parts = urllib.parse.urlsplit(self.url)
+        connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        connection = connection_class(parts.hostname, parts.port, timeout=min(10.0, self.request_timeout_s))
+        try:
+            connection.connect()
+        except OSError as exc:
+            raise _NotRunning(f"{type(exc).__name__}: {exc}") from None
+        connection.sock.settimeout(None)  # the reply comes when the generation is done
+        reply: dict = {}
+        done = threading.Event()
+
+        def send_and_wait() -> None:
+            try:
+                connection.request("POST", parts.path.rstrip("/") + path, body=json.dumps(body).encode(),
+                                   headers={"Content-Type": "application/json"})  # fmt: skip
+                response = connection.getresponse()
+                reply["status"], reply["payload"] = response.status, response.read()
+            except BaseException as exc:  # noqa: BLE001 - reported on the calling thread
+                reply["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=send_and_wait, name=f"trl_async-vllm-request-{self.url}", daemon=True).start()
+        failing_since = None
+        try:
+            while not done.wait(health_every_s):
+                if self.healthy(timeout_s=min(2.0, health_every_s)):
+                    failing_since = None
+                    continue
+                failing_since = failing_since or time.monotonic()
+                if time.monotonic() - failing_since > self.request_timeout_s:
+                    raise VLLMServerError(
+                        f"vLLM server {self.url} failed its health check (GET /health) for {self.request_timeout_s:.0f}s "
+                        f"(rollout_timeout_s) while running POST {path}; the request was abandoned, not resent"
+                    )
+        finally:
+            if not done.is_set():  # abandoned: unblock the request's thread
+                with contextlib.suppress(OSError):
+                    connection.sock.shutdown(socket.SHUT_RDWR)
+            connection.close()
+        if "error" in reply:  # the server closed the connection (stopped, restarted): it is not running the request
+            exc = reply["error"]
+            raise _NotRunning(f"{type(exc).__name__}: {exc}")
+        status, payload = reply["status"], reply["payload"]
+        if status >= 500:
+            raise _NotRunning(f"HTTP {status}: {payload.decode(errors='replace')[:2000]}")
+        if status >= 400:
+            raise VLLMServerError(
+                f"{self.url}{path} rejected the request (HTTP {status}): {payload.decode(errors='replace')[:2000]}"
+            )
+        return json.loads(payload) if payload else {}
+
     # ---- status ------------------------------------------------------------------------------------------------
     def healthy(self, timeout_s: float = 2.0) -> bool:
         try:
@@ -127,7 +212,7 @@ class VLLMServer:
     def generate(self, prompt_ids: Sequence[int], sampling_params: dict) -> list[Completion]:
         """``sampling_params['n']`` completions of one prompt, in choice order."""
         body = {"token_ids": list(prompt_ids), "sampling_params": sampling_params}
-        return completions_from_response(self.request("POST", "/inference/v1/generate", body), self.url)
+        return completions_from_response(self.post_while_alive("/inference/v1/generate", body), self.url)
 
     def pause(self, mode: str) -> None:
         self.request("POST", f"/pause?mode={mode}")
