@@ -65,7 +65,7 @@ def pytest_collection_modifyitems(items):
     # the vLLM tests last (stable order otherwise): `.ci/run` installs the vLLM environment in the background while
     # the others run, so the first vLLM server rarely waits for it
     uses_vllm = [item.get_closest_marker("vllm") is not None for item in items]
-    items[:] = [i for i, v in zip(items, uses_vllm) if not v] + [i for i, v in zip(items, uses_vllm) if v]
+    items[:] = [i for i, v in zip(items, uses_vllm, strict=True) if not v] + [i for i, v in zip(items, uses_vllm, strict=True) if v]
 
 
 @pytest.fixture(scope="session")

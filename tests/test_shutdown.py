@@ -55,7 +55,7 @@ def test_a_reset_still_running_at_close_releases_its_environment_and_no_reset_st
 
 
 def test_closing_the_rollout_func_runner_waits_for_a_running_rollout():
-    running, finished_rollouts, delivered = threading.Event(), [], []
+    running, finished_rollouts, delivered, failed = threading.Event(), [], [], []
 
     def slow_rollout(prompts, trainer):
         running.set()
@@ -67,9 +67,9 @@ def test_closing_the_rollout_func_runner_waits_for_a_running_rollout():
     trainer = type("Trainer", (), {"state": type("State", (), {"global_step": 0})()})()
     runner = RolloutFuncRunner(rollout_func=slow_rollout, trainer=trainer, tokenizer=object(), num_generations=2,
                                timeout_s=30, max_model_len=None, max_new_tokens=4, submit_turn=lambda task: None,
-                               finished=delivered.append, fail=lambda exc: None, row=lambda group_id: {"prompt": "a"})  # fmt: skip
+                               finished=delivered.append, fail=failed.append, row=lambda group_id: {"prompt": "a"})  # fmt: skip
     runner.start(RolloutTask(0, 0, (), 0))
     assert running.wait(5)
     runner.close(timeout_s=5)
     assert finished_rollouts == [2]  # joined: the rollout had returned when close did
-    assert not delivered  # and its group was not handed to the closed pool
+    assert not delivered and not failed  # its group was not handed to the closed pool, and nothing failed

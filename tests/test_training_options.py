@@ -137,3 +137,14 @@ def test_beam_search_with_the_bypass_correction_is_refused_with_the_reason():
         AsyncGRPOConfig(
             output_dir="x", generation_kwargs=BEAM_KWARGS, off_policy_bypass=True, bf16=False, use_cpu=True
         )
+
+
+def test_beam_search_on_vllm_servers_is_refused_with_the_reason():
+    import pytest
+
+    from trl_async import AsyncGRPOConfig
+
+    with pytest.raises(ValueError, match="rollout_backend.*num_beams=2.*SamplingParams"):
+        AsyncGRPOConfig(
+            output_dir="x", generation_kwargs=BEAM_KWARGS, rollout_backend="vllm", bf16=False, use_cpu=True
+        )

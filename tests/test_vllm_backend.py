@@ -502,16 +502,20 @@ def test_a_rollout_func_trains_against_the_server(tmp_path, vllm_server, vllm_mo
 def test_a_generation_longer_than_the_request_timeout_is_waited_for_and_sent_once(vllm_server):
     """The request timeout (rollout_timeout_s) bounds how long a server may fail its health check, not how long one
     generation may take: a generation longer than it returns whole, and the server ran it once (its access log)."""
+    import uuid
+
     from trl_async.engines.vllm.client import VLLMServer
 
+    path = f"/inference/v1/generate?probe={uuid.uuid4().hex}"  # this test's requests only, in the access log
+
     def generate_requests() -> int:
-        return vllm_server.log.read_text(errors="replace").count('"POST /inference/v1/generate')
+        return vllm_server.log.read_text(errors="replace").count(f'"POST {path} ')
 
     before = generate_requests()
     client = VLLMServer(vllm_server.url, request_timeout_s=0.2, retry_s=30)
     params = {"n": 32, "max_tokens": 200, "ignore_eos": True, "logprobs": 0, "detokenize": False}
     start = time.monotonic()  # the transport generate() uses (raw: the weights' labels are not what this checks)
-    reply = client.post_while_alive("/inference/v1/generate", {"token_ids": [5, 6, 7], "sampling_params": params})
+    reply = client.post_while_alive(path, {"token_ids": [5, 6, 7], "sampling_params": params})
     took = time.monotonic() - start
     assert took > 0.2  # longer than the timeout, else this shows nothing
     assert len(reply["choices"]) == 32 and all(len(c["token_ids"]) == 200 for c in reply["choices"])

@@ -291,6 +291,13 @@ class AsyncFields:
             "would leave the loss). Use off_policy_bypass=False (beam tokens then train uncorrected, ratio 1, as "
             "with GRPOTrainer) or num_beams=1",
         )
+        need(
+            beams == 1 or self.rollout_backend != "vllm",
+            "rollout_backend",
+            f"generation_kwargs num_beams={beams} is transformers' beam search; a vLLM server's sampling parameters "
+            "have no num_beams (vLLM's generation_kwargs are its SamplingParams). Remove num_beams, or use "
+            "rollout_backend='transformers'",
+        )
         need(self.rollout_backend in ROLLOUT_BACKENDS, "rollout_backend", f"choose one of {ROLLOUT_BACKENDS}")
         need(
             self.rollout_vllm_weight_transport in WEIGHT_TRANSPORTS,

@@ -256,9 +256,12 @@ class EpisodeRunner:
 
     def _release_all(self) -> None:
         """Every held instance back to the pool (the runner's thread, or after it stopped)."""
-        groups = [*self._groups.values(), *self._held.values()]
+        groups = list(self._groups.values())
         self._groups.clear()
-        self._held.clear()
+        for group_id in list(self._held):  # one by one: a late scoring thread may release one meanwhile (release())
+            group = self._held.pop(group_id, None)
+            if group is not None:
+                groups.append(group)
         for group in groups:
             if group.instances:
                 self._release(group)

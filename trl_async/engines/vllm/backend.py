@@ -140,13 +140,21 @@ class VLLMLane:
             except Exception as exc:  # noqa: BLE001 - reported to the pool, which raises it on the trainer's thread
                 self._post(WorkerFailed(self.worker_id, f"vLLM server {self.spec.url}: {exc}"))
 
+    def _request(self, prompt_ids, params: dict) -> list:
+        """One generate request, watched by this lane: abandoned when the lane stops, or when its health thread has
+        not seen the server healthy for ``request_timeout_s`` (the request itself may take longer)."""
+        return self.server.generate(
+            prompt_ids, params, stopped=self._stopped.is_set,
+            alive=lambda: self.silent_for(time.time()) < self.spec.request_timeout_s,
+        )  # fmt: skip
+
     def _generate(self, task: RolloutTask) -> RolloutGroup:
         started_at, start = time.time(), time.perf_counter()
         params = {**self.spec.sampling_params, "seed": self.spec.seed + task.group_id}
         if task.contexts:  # later turns, or rollout_generate: one completion per context
             completions = self._generate_contexts(task, params)
         else:
-            completions = self.server.generate(task.prompt_ids, params)
+            completions = self._request(task.prompt_ids, params)
             if len(completions) != params["n"]:
                 raise VLLMServerError(f"asked for {params['n']} completions, got {len(completions)}")
         elapsed = time.perf_counter() - start
@@ -191,14 +199,14 @@ class VLLMLane:
         """Each ``(prompt_ids, params)`` request on its own daemon thread (a request stuck on a hung server never
         keeps the interpreter from exiting), at most ``max_requests`` at once per lane."""
         if len(requests) == 1:
-            return [self.server.generate(*requests[0])]
+            return [self._request(*requests[0])]
         answers: list = [None] * len(requests)
         errors: list[BaseException] = []
 
         def run(i: int) -> None:
             with self._turn_slots:
                 try:
-                    answers[i] = self.server.generate(*requests[i])
+                    answers[i] = self._request(*requests[i])
                 except Exception as exc:  # noqa: BLE001 - raised below, on the lane's thread
                     errors.append(exc)
 

@@ -26,7 +26,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -114,19 +114,28 @@ class VLLMServer:
             time.sleep(delay)
             delay = min(2 * delay, 4.0)
 
-    def post_while_alive(self, path: str, body: dict, health_every_s: float = 2.0) -> dict:
+    def post_while_alive(
+        self,
+        path: str,
+        body: dict,
+        health_every_s: float = 2.0,
+        stopped: Callable[[], bool] | None = None,
+        alive: Callable[[], bool] | None = None,
+    ) -> dict:
         """POST a request whose reply takes as long as the work it asks for (a generation): no socket timeout on the
-        reply; instead ``GET /health`` every ``health_every_s``, and the request is abandoned (an error, not resent)
-        once the server has failed its health check for ``request_timeout_s``. Resent, within ``retry_s``, only when
-        it cannot have run: the connection was refused or closed by the server, or it answered with a 5xx."""
-        deadline = time.monotonic() + self.retry_s
-        delay = 0.25
+        reply. Every ``health_every_s`` the server's liveness is checked instead: ``alive()`` when given (a caller
+        that already watches the server, e.g. a lane's health thread), else ``GET /health``; once it has failed for
+        ``request_timeout_s`` the request is abandoned (an error, not resent), and at once when ``stopped()``
+        (closing the connection makes vLLM cancel the request). Resent, within ``retry_s`` of the first failure, only
+        when it cannot be running: the connection was refused or closed by the server, or it answered with a 5xx."""
+        deadline, delay = None, 0.25
         while True:
             try:
-                return self._post_watched(path, body, health_every_s)
+                return self._post_watched(path, body, health_every_s, stopped, alive)
             except _NotRunning as exc:
                 why = str(exc)
-            if time.monotonic() + delay > deadline:
+            deadline = deadline or time.monotonic() + self.retry_s
+            if time.monotonic() + delay > deadline or (stopped is not None and stopped()):
                 raise VLLMServerError(
                     f"vLLM server {self.url} failed POST {path} ({why}); gave up after retrying for "
                     f"{self.retry_s:.0f}s (rollout_vllm_retry_s)"
@@ -134,7 +143,7 @@ class VLLMServer:
             time.sleep(delay)
             delay = min(2 * delay, 4.0)
 
-    def _post_watched(self, path: str, body: dict, health_every_s: float) -> dict:
+    def _post_watched(self, path: str, body: dict, health_every_s: float, stopped, alive) -> dict:
         parts = urllib.parse.urlsplit(self.url)
         connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         connection = connection_class(parts.hostname, parts.port, timeout=min(10.0, self.request_timeout_s))
@@ -161,7 +170,13 @@ class VLLMServer:
         failing_since = None
         try:
             while not done.wait(health_every_s):
-                if self.healthy(timeout_s=min(2.0, health_every_s)):
+                if stopped is not None and stopped():
+                    raise VLLMServerError(f"vLLM server {self.url}: POST {path} abandoned, its lane was stopped")
+                if alive is not None:  # the caller's own watch already spans request_timeout_s
+                    if alive():
+                        continue
+                    failing_since = -math.inf
+                elif self.healthy(timeout_s=min(2.0, health_every_s)):
                     failing_since = None
                     continue
                 failing_since = failing_since or time.monotonic()
@@ -209,10 +224,12 @@ class VLLMServer:
         return self.request("GET", "/server_info?config_format=json")
 
     # ---- generation --------------------------------------------------------------------------------------------
-    def generate(self, prompt_ids: Sequence[int], sampling_params: dict) -> list[Completion]:
-        """``sampling_params['n']`` completions of one prompt, in choice order."""
+    def generate(self, prompt_ids: Sequence[int], sampling_params: dict, stopped=None, alive=None) -> list[Completion]:
+        """``sampling_params['n']`` completions of one prompt, in choice order (``stopped``, ``alive``: see
+        ``post_while_alive``)."""
         body = {"token_ids": list(prompt_ids), "sampling_params": sampling_params}
-        return completions_from_response(self.post_while_alive("/inference/v1/generate", body), self.url)
+        reply = self.post_while_alive("/inference/v1/generate", body, stopped=stopped, alive=alive)
+        return completions_from_response(reply, self.url)
 
     def pause(self, mode: str) -> None:
         self.request("POST", f"/pause?mode={mode}")
