@@ -173,14 +173,14 @@ class VLLMServer:
                 if stopped is not None and stopped():
                     raise VLLMServerError(f"vLLM server {self.url}: POST {path} abandoned, its lane was stopped")
                 if alive is not None:  # the caller's own watch already spans request_timeout_s
-                    if alive():
-                        continue
-                    failing_since = -math.inf
+                    healthy_long_enough = alive()
                 elif self.healthy(timeout_s=min(2.0, health_every_s)):
                     failing_since = None
                     continue
-                failing_since = failing_since or time.monotonic()
-                if time.monotonic() - failing_since > self.request_timeout_s:
+                else:
+                    failing_since = failing_since or time.monotonic()
+                    healthy_long_enough = time.monotonic() - failing_since <= self.request_timeout_s
+                if not healthy_long_enough:
                     raise VLLMServerError(
                         f"vLLM server {self.url} failed its health check (GET /health) for {self.request_timeout_s:.0f}s "
                         f"(rollout_timeout_s) while running POST {path}; the request was abandoned, not resent"
