@@ -48,6 +48,7 @@ def test_a_reset_still_running_at_close_releases_its_environment_and_no_reset_st
     runner.close(timeout_s=0.1)
     assert time.monotonic() - started < 0.9  # close does not wait out a slow reset
     runner._thread.join(5)
+    runner.tool_runner.close()
     assert not runner._thread.is_alive()
     assert len(made) == 1  # the reset under way finished; none started after close
     assert environments._free[None] == made  # and its instance went back to the pool

@@ -174,6 +174,11 @@ def test_a_hanging_tool_times_out_as_a_failed_call_and_training_goes_on(tmp_path
         release.wait(60)  # hangs (until the test ends)
         return a * b
 
+    def ours():  # started by this test's trainer (another test's leftovers are not this test's to judge)
+        return [t for t in threading.enumerate()
+                if t.name.startswith(("trl_async-tools", "trl_async-episodes")) and t.ident not in before]  # fmt: skip
+
+    before = {t.ident for t in threading.enumerate()}
     recorder = Recorder()
     trainer = AsyncGRPOTrainer(model=tool_model_dir, reward_funcs=recorder, processing_class=tokenizer_of(tool_model_dir),
                                # room for the error message (a longer tool result would be rolled back, as GRPOTrainer does)
@@ -192,10 +197,6 @@ def test_a_hanging_tool_times_out_as_a_failed_call_and_training_goes_on(tmp_path
     assert calls > 0 and all(failure == 1.0 for _, failure in tool_metrics(trainer))  # every call failed
     assert no_rollout_children()
     deadline = time.monotonic() + 10  # the hung tool's thread returns once released (above), a moment later
-
-    def ours():
-        return [t for t in threading.enumerate() if t.name.startswith(("trl_async-tools", "trl_async-episodes"))]
-
     while ours() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not ours()
