@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl_async.engines.vllm.client import VLLMServer
+from trl_async.sync.policy import shard_resident
 
 
 def reward(completions, **kwargs):
@@ -44,6 +45,8 @@ def main(out_path: str, model_dir: str, url: str, steps: int) -> None:
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
+    sharded = [p for p in trainer.model_wrapped.parameters() if hasattr(p, "ds_tensor")]
+    off_device = sum(not shard_resident(p) for p in sharded)  # shards the flat path cannot send: DeepSpeed gathers them
     state = trainer.accelerator.get_state_dict(trainer.model)  # ZeRO-3: gathered on the main process
     staleness = [h["async/staleness_max"] for h in trainer.state.log_history if "async/staleness_max" in h]
     sync = [h["async/weight_sync_s"] for h in trainer.state.log_history if "async/weight_sync_s" in h]
@@ -66,6 +69,8 @@ def main(out_path: str, model_dir: str, url: str, steps: int) -> None:
         "staleness_max": max(staleness) if staleness else None,
         "weight_sync_s_median": sorted(sync)[len(sync) // 2] if sync else None,
         "greedy_matches": matches,
+        "zero3_params": len(sharded),
+        "shards_off_device": off_device,
         "ok": trainer.state.global_step == steps and all(matches) and max(staleness) <= 1,
     }
     print(json.dumps(verdict))

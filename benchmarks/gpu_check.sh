@@ -3,7 +3,8 @@
 # and a 1-process DeepSpeed ZeRO-3 trainer on the same GPU (NCCL refuses two ranks on one device, so ZeRO-3 runs
 # with one rank: the gather code path, not the cross-rank traffic, which tests/test_distributed.py covers on CPU).
 # Needs, in the current Python environment: trl_async (pip install -e .), a CUDA build of torch and `vllm`.
-# Usage: bash benchmarks/gpu_check.sh [OUT_DIR]   -> OUT_DIR/gpu_check.json, exit status 0 when every check passed
+# Usage: bash benchmarks/gpu_check.sh [OUT_DIR]   -> OUT_DIR/gpu_check.json (one verdict per ZeRO-3 configuration),
+# exit status 0 when every check passed
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-${OUT:-/tmp/gpu_check}}"
@@ -12,22 +13,57 @@ python -c "import torch, vllm; assert torch.cuda.is_available(), 'no CUDA device
     echo "gpu_check: needs a CUDA torch and vllm in this environment" >&2; exit 2; }
 MODEL="$OUT/tiny-qwen2"
 python -c "from trl_async.tiny import save_tiny_model; save_tiny_model('$MODEL', hidden_size=256, num_heads=4)"
+# Two trainer configurations, each against a fresh server (a server's NCCL group belongs to one trainer):
+# - zero3: every shard on the GPU, pushed by the flat shard-to-rank-0 path (trl_async/sync/policy.py);
+# - zero3_offload: `offload_param: cpu` with small parameters persistent on the GPU (threshold 1000 elements: the
+#   norms stay on the GPU, the matrices' shards live on the CPU): mixed devices, which must take DeepSpeed's
+#   GatheredParameters path and still push exact weights (issue 22 item 3; on CPU the offload shards sit on the
+#   compute device, so only a GPU exercises this).
+python - "$OUT" <<'PY'
+import json, sys
+base = json.load(open("recipes/accelerate/zero3_offload.json"))
+base["zero_optimization"]["stage3_param_persistence_threshold"] = 1000
+json.dump(base, open(f"{sys.argv[1]}/zero3_offload_gpu.json", "w"), indent=1)
+PY
 PORT=8765
-python -m trl_async.vllm_serve --model "$MODEL" --host 127.0.0.1 --port "$PORT" --transport nccl -- \
-    --gpu-memory-utilization 0.3 --max-model-len 256 --enforce-eager > "$OUT/server.log" 2>&1 &
-SERVER=$!
-trap 'kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT
-cat > "$OUT/zero3_1gpu.yaml" <<YAML
+SERVER=
+trap 'if [ -n "$SERVER" ]; then kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true; fi' EXIT
+for ZERO in zero3 zero3_offload; do
+    case $ZERO in
+        zero3) DS_JSON=recipes/accelerate/zero3.json ;;
+        zero3_offload) DS_JSON="$OUT/zero3_offload_gpu.json" ;;
+    esac
+    python -m trl_async.vllm_serve --model "$MODEL" --host 127.0.0.1 --port "$PORT" --transport nccl -- \
+        --gpu-memory-utilization 0.3 --max-model-len 256 --enforce-eager > "$OUT/server_$ZERO.log" 2>&1 &
+    SERVER=$!
+    cat > "$OUT/${ZERO}_1gpu.yaml" <<YAML
 compute_environment: LOCAL_MACHINE
 distributed_type: DEEPSPEED
 deepspeed_config:
-  deepspeed_config_file: recipes/accelerate/zero3.json
+  deepspeed_config_file: $DS_JSON
   zero3_init_flag: false
 num_machines: 1
 num_processes: 1
 machine_rank: 0
 use_cpu: false
 YAML
-accelerate launch --config_file "$OUT/zero3_1gpu.yaml" benchmarks/gpu_check.py \
-    "$OUT/gpu_check.json" "$MODEL" "http://127.0.0.1:$PORT" 4 2>&1 | tail -40
-python -c "import json,sys; v=json.load(open('$OUT/gpu_check.json')); print(v); sys.exit(0 if v['ok'] else 1)"
+    accelerate launch --config_file "$OUT/${ZERO}_1gpu.yaml" benchmarks/gpu_check.py \
+        "$OUT/gpu_check_$ZERO.json" "$MODEL" "http://127.0.0.1:$PORT" 4 2>&1 | tail -40 || true
+    kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true; SERVER=
+done
+python - "$OUT" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+verdicts = {}
+for zero in ("zero3", "zero3_offload"):
+    path = f"{out}/gpu_check_{zero}.json"
+    verdicts[zero] = json.load(open(path)) if os.path.exists(path) else {"ok": False, "error": "no verdict (see log)"}
+# the offload run must really have had shards off the GPU (else it checked the flat path twice)
+offload = verdicts["zero3_offload"]
+if offload.get("ok") and not offload.get("shards_off_device"):
+    offload["ok"], offload["error"] = False, "no shard was off the GPU: the offload configuration did not apply"
+verdicts["ok"] = all(v["ok"] for v in verdicts.values())
+json.dump(verdicts, open(f"{out}/gpu_check.json", "w"), indent=1)
+print(verdicts)
+sys.exit(0 if verdicts["ok"] else 1)
+PY

@@ -21,6 +21,9 @@ from transformers import AutoModelForCausalLM
 from trl_async.engines.vllm.client import VLLMServer
 
 ROOT = Path(__file__).resolve().parents[1]
+# every launched process (ranks and their rollout workers) dumps each thread's Python stack on a fatal signal
+# (SIGSEGV, SIGABRT, ...): a native abort leaves more than its exit code (train_and_check.py adds the C++ stack)
+LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
 
 
 @pytest.mark.parametrize(
@@ -34,9 +37,9 @@ def test_two_process_training_syncs_exact_weights(tmp_path, tiny_model_dir, conf
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / f"recipes/accelerate/{config}.yaml"),
         str(ROOT / "tests/distributed/train_and_check.py"), "--model", tiny_model_dir, "--out", str(out), *extra,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **LAUNCH_ENV}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-20000:]  # a native abort: room for its stacks
     result = json.loads(out.read_text())
     assert result["num_processes"] == 2 and result["steps"] == 3
     assert result["zero_stage"] == {"ddp": 0, "zero2": 2, "zero3": 3, "zero3_offload": 3}[config]
@@ -70,9 +73,9 @@ def test_zero3_trainer_pushes_its_gathered_weights_to_a_vllm_server(tmp_path, vl
         str(ROOT / "tests/distributed/train_and_check.py"), "--model", vllm_model_dir, "--out", str(out),
         "--vllm_url", vllm_server.url,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **LAUNCH_ENV}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-20000:]  # a native abort: room for its stacks
     result = json.loads(out.read_text())
     assert result["num_processes"] == 2 and result["zero_stage"] == 3 and result["steps"] == 3
     assert result["server_version"] == {"0": 3} and result["max_staleness_seen"] <= 1
@@ -111,7 +114,7 @@ def test_a_reward_model_under_zero3_scores_on_rank_0_without_the_other_rank(tmp_
         "--reward_model", str(rm_dir),
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)  # fmt: skip
+                            env={**os.environ, **LAUNCH_ENV}, start_new_session=True)  # fmt: skip
     try:
         stdout, stderr = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired as exc:
@@ -122,7 +125,7 @@ def test_a_reward_model_under_zero3_scores_on_rank_0_without_the_other_rank(tmp_
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         raise AssertionError("ZeRO-3 training with a reward model hung (300 s)") from exc
-    assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-20000:]
     assert json.loads(out.read_text())["zero_stage"] == 3
     rm = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
     rows = [json.loads(x) for r in (0, 1) for x in (tmp_path / "run" / f"traj.jsonl.rank{r}").read_text().splitlines()]
@@ -141,7 +144,7 @@ def test_a_rank_that_stops_arriving_is_named_not_waited_for_forever(tmp_path, ti
         str(ROOT / "tests/distributed/train_and_check.py"), "--model", tiny_model_dir, "--out", str(out), "--use_cpu",
         "--stall_rank1", "300",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ})
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     assert proc.returncode != 0  # failed well before rank 1 woke up (300 s) and before the 300 s test timeout
     error = json.loads(out.read_text())["error"]
     assert "not every rank reached the next rollout batch" in error and "Ranks 1 failed" in error

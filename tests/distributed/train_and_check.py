@@ -8,6 +8,10 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
+
+# a native abort (SIGABRT, SIGSEGV) in a rank leaves its C++ stack (torch's handler), then every thread's Python stack
+# (faulthandler, enabled by the launching test's PYTHONFAULTHANDLER=1, which torch's handler chains to)
+torch._C._set_print_stack_traces_on_fatal_signal(True)
 from datasets import Dataset  # noqa: E402
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
