@@ -31,6 +31,8 @@ BASE = dict(output_dir="/tmp/trl_async_cfg", report_to=[], bf16=False, use_cpu=T
         ("rollout_max_restarts", -1, "0 or more"),
         ("rollout_heartbeat_timeout_s", 1.0, "2 seconds or more"),
         ("rollout_scoring_threads", 0, "1 or more"),
+        ("dynamic_sampling", "yes", "True or False"),
+        ("dynamic_sampling_limit", 0, "generation batches >= 1, or None"),
     ],
 )
 def test_bad_value_names_the_field_and_the_fix(field, value, fix):

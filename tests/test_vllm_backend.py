@@ -172,8 +172,9 @@ def _pool_over(stubs, queue_size, timeout_s=30.0):
     from types import SimpleNamespace
 
     from trl_async.engines.vllm.backend import VLLMBackend, VLLMLaneSpec
-    from trl_async.rollout.pool import PoolSettings, RolloutPool, ScoredGroup
+    from trl_async.rollout.pool import PoolSettings, RolloutPool
     from trl_async.rollout.prompts import PromptStream
+    from trl_async.rollout.scored import ScoredGroup
 
     backend = VLLMBackend.__new__(VLLMBackend)
     backend.specs = [

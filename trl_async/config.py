@@ -244,6 +244,24 @@ class AsyncFields:
             "pi_theta/mu and w = 1. Faster, but the trust region then also has to absorb the staleness."
         },
     )
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "DAPO's dynamic sampling: a scored group whose rewards give every completion the same advantage "
+            "(0: all equal, as GRPOTrainer's frac_reward_zero_std counts them) is dropped before it takes a batch "
+            "slot, and another prompt is generated in its place, so every trained group carries signal. Its prompt "
+            "counts as consumed (not retried), as in DAPO. Logged: async/filtered_groups (total) and "
+            "async/filtered_frac. Default off: every group trains, as in GRPOTrainer."
+        },
+    )
+    dynamic_sampling_limit: int | None = field(
+        default=10,
+        metadata={
+            "help": "With dynamic_sampling: stop with an error after this many generation batches' worth of groups in "
+            "a row had no signal (a saturated task, or a reward constant by mistake); a warning after each batch's "
+            "worth. None: never stop."
+        },
+    )
     weight_sync_bucket_mb: float = field(
         default=8.0,
         metadata={
@@ -376,6 +394,13 @@ class AsyncFields:
             or (isinstance(self.rollout_torch_threads, int) and self.rollout_torch_threads >= 1),
             "rollout_torch_threads",
             "set it to 1 or more, or None for the cores available divided among the workers",
+        )
+        need(isinstance(self.dynamic_sampling, bool), "dynamic_sampling", "set True or False")
+        need(
+            self.dynamic_sampling_limit is None
+            or (isinstance(self.dynamic_sampling_limit, int) and self.dynamic_sampling_limit >= 1),
+            "dynamic_sampling_limit",
+            "set a number of generation batches >= 1, or None for no limit",
         )
         if self.rollout_cpu_affinity is not None:
             self.validate_cpu_affinity()

@@ -18,8 +18,10 @@ from .precision import device_precision
 from .records import RolloutGroup
 from .rollout.custom_rollouts import RolloutFuncRunner, with_extra_fields
 from .rollout.episodes import EnvironmentPool, EpisodeRunner
-from .rollout.pool import PoolSettings, RolloutPool, ScoredGroup
+from .rollout.filtering import SignalFilter
+from .rollout.pool import PoolSettings, RolloutPool
 from .rollout.prompts import PromptStream
+from .rollout.scored import ScoredGroup
 from .rollout.scoring import RewardScorer, decode_completions
 from .rollout.tool_calls import ToolRunner, split_tools
 from .sync.policy import policy_specs
@@ -59,8 +61,12 @@ def start_pool(trainer, progress: dict | None = None) -> RolloutPool:
     )
     backend = vllm_backend(trainer, model) if a.rollout_backend == "vllm" else process_backend(trainer, model)
     read_row = trainer.train_dataset.__getitem__  # once per admitted group (RolloutPool keeps the row)
+    keep = None
+    if a.dynamic_sampling:  # groups without signal never take a batch slot
+        keep = SignalFilter(trainer.reward_weights, args.multi_objective_aggregation, trainer.reward_func_names,
+                            trainer._groups_per_batch, a.dynamic_sampling_limit).keep  # fmt: skip
     return RolloutPool(
-        backend, settings, prompts, read_row, make_tokenize_row(trainer), make_score_group(trainer), episodes
+        backend, settings, prompts, read_row, make_tokenize_row(trainer), make_score_group(trainer), episodes, keep
     )
 
 

@@ -31,7 +31,8 @@ from .pool_setup import start_pool
 from .progress import AsyncProgressCallback, batch_metrics
 from .records import RolloutGroup
 from .rollout.custom_rollouts import RolloutFuncRunner, generate_with_trainer_model, replayed_output
-from .rollout.pool import RolloutPool, ScoredGroup
+from .rollout.pool import RolloutPool
+from .rollout.scored import ScoredGroup
 from .rollout.scoring import RewardScorer, unsharded_reward_models
 from .rollout.tool_calls import ToolRunner
 from .setup_checks import check_after_loading, pool_geometry, refuse_before_loading

@@ -18,7 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +28,7 @@ from ..records import RolloutGroup, RolloutTask
 from ..sync.shared_memory import Digest
 from .lanes import Lanes, RolloutWorkerError  # noqa: F401 - RolloutWorkerError: raised to the trainer
 from .prompts import PromptStream
+from .scored import ScoredGroup, TakeStats
 from .staleness import max_groups_admitted, staleness
 
 if TYPE_CHECKING:
@@ -36,18 +37,6 @@ if TYPE_CHECKING:
     from .episodes import EpisodeRunner
 
 logger = logging.get_logger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ScoredGroup:
-    group: RolloutGroup
-    staleness: int = 0
-    rewards: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # (num_generations, num_reward_funcs)
-    extra_logs: dict = field(default_factory=dict)
-    metrics: dict = field(default_factory=dict)
-    # the dataset row as read once, when the group was admitted: what the workers sampled from, the rewards scored and
-    # GRPOTrainer trains on (a row read again can differ: a template printing the date, a random transform)
-    row: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -66,17 +55,6 @@ class PoolSettings:
     num_generations: int = 1  # rows per group (a later turn of one episode is one row)
 
 
-@dataclass
-class TakeStats:
-    """What one ``take`` observed; the trainer logs it under ``async/``."""
-
-    staleness: list[int]
-    queue_size: int
-    wait_s: float
-    dropped_samples_total: int
-    gen_tokens_per_s: float
-
-
 class RolloutPool:
     def __init__(
         self,
@@ -87,14 +65,20 @@ class RolloutPool:
         tokenize_row: Callable[[int, dict], tuple[int, ...]],
         score_group: Callable[[RolloutGroup, dict, list | None], ScoredGroup],
         episodes: Callable[..., EpisodeRunner] | None = None,
+        keep: Callable[[torch.Tensor], bool] | None = None,
     ) -> None:
         """``episodes`` (multi-turn rollouts with tools): builds the ``EpisodeRunner`` that turns each group's first
-        turn into whole episodes, given ``submit_turn``, ``finished`` and ``fail`` callbacks."""
+        turn into whole episodes, given ``submit_turn``, ``finished`` and ``fail`` callbacks. ``keep`` (dynamic
+        sampling, filtering.py): given a scored group's rewards, whether it may train; a group it rejects gives its
+        admission slot back and its prompt counts as consumed (not retried, as DAPO)."""
         self.settings = settings
         self._prompts = prompts
         self._read_row = read_row
         self._tokenize_row = tokenize_row
         self._score_group = score_group
+        self._keep = keep
+        self.filtered_groups = 0
+        self._filtered_since_take = 0
         self.backend = backend
         self._cv = threading.Condition()
         self._stop = False
@@ -177,7 +161,8 @@ class RolloutPool:
                     raise TimeoutError(
                         f"waited {self.settings.timeout_s:.0f}s (rollout_timeout_s) for {n - len(taken)} more rollout "
                         f"groups at trainer version {consumer_version}; published version {self._published}, "
-                        f"admitted {self._admitted}, consumed {self._consumed}, worker versions "
+                        f"admitted {self._admitted}, consumed {self._consumed}, filtered {self.filtered_groups} "
+                        f"(dynamic_sampling), worker versions "
                         f"{self.worker_versions}, workers alive {[w.is_alive() for w in self.lanes.workers]}"
                     )
                 self._cv.wait(timeout=0.2)
@@ -186,6 +171,7 @@ class RolloutPool:
             self._cv.notify_all()
             now = time.perf_counter()
             tokens, self._tokens_since_take = self._tokens_since_take, 0
+            filtered, self._filtered_since_take = self._filtered_since_take, 0
             rate = tokens / max(now - self._last_take_end, 1e-9)
             self._last_take_end = now
         self.activity.append(("wait", -1, started_at, started_at + (now - start)))
@@ -195,6 +181,8 @@ class RolloutPool:
             wait_s=now - start,
             dropped_samples_total=self.dropped_samples,
             gen_tokens_per_s=rate,
+            filtered_groups_total=self.filtered_groups if self._keep is not None else None,
+            filtered_since=filtered,
         )
         return taken, stats
 
@@ -447,9 +435,22 @@ class RolloutPool:
             self.activity.append(("score", group.worker_id, started, time.time()))
             with self._cv:
                 self._abandoned_in_a_row = 0
-                self._ready.append(scored)
                 self._tokens_since_take += group.num_sampled_tokens
+                if self._keep is not None and not self._keep(scored.rewards):
+                    self._filter(group)
+                    continue
+                self._ready.append(scored)
                 self._cv.notify_all()
+
+    def _filter(self, group: RolloutGroup) -> None:
+        """Dynamic sampling: ``group`` has no signal. Its admission slot goes to a new prompt; its own prompt is done
+        for the stream and for resuming (at the newest published version: a checkpoint saved before this moment does
+        not count it). Caller holds the lock."""
+        self._admitted -= 1
+        self.filtered_groups += 1
+        self._filtered_since_take += 1
+        self._prompts.taken([self._forget(group.group_id)], self._published)
+        self._cv.notify_all()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
