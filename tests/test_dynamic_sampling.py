@@ -3,13 +3,17 @@ advantage never take a batch slot; other prompts are generated in their place, t
 their prompts count as consumed (not retried) for the stream and for resuming, and a long run of them is an error
 naming the reward functions."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from datasets import Dataset
 from trl.trainer.utils import RepeatSampler
 
 from trl_async import AsyncGRPOTrainer
+from trl_async.progress import batch_metrics
 from trl_async.rollout.filtering import SignalFilter, without_signal
+from trl_async.rollout.scored import TakeStats
 
 from .conftest import async_args, no_rollout_children
 from .test_resume import RecordingTrainer
@@ -26,29 +30,48 @@ def test_a_group_has_no_signal_exactly_when_grpo_trainer_gives_it_zero_advantage
     cancelling = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
     assert without_signal(cancelling, W2)
     assert not without_signal(cancelling, torch.tensor([1.0, 2.0]))  # ...unless weighted differently
-    # ...while normalize_then_sum normalises each function within the group first: both vary, so there is signal
-    assert not without_signal(cancelling, W2, "normalize_then_sum")
+    # normalize_then_sum normalises each function within the group first, (r - mean) / (std + 1e-4), then sums:
+    # [+a, -a] + [-a, +a] cancel too, but not with other weights
+    assert without_signal(cancelling, W2, "normalize_then_sum")
+    assert not without_signal(cancelling, torch.tensor([1.0, 2.0]), "normalize_then_sum")
     assert without_signal(torch.tensor([[1.0, 3.0], [1.0, 3.0]]), W2, "normalize_then_sum")
+    # a function that varies but has weight 0 (kept for logging) gives no signal, under either rule
+    logged_only = torch.tensor([[1.0, 0.0], [1.0, 5.0], [1.0, 2.0]])
+    assert without_signal(logged_only, torch.tensor([1.0, 0.0]))
+    assert without_signal(logged_only, torch.tensor([1.0, 0.0]), "normalize_then_sum")
+    assert not without_signal(logged_only, torch.tensor([0.0, 1.0]), "normalize_then_sum")
     # a value one function left unscored counts as 0 in the sum (nansum); a row no function scored is left out
     assert without_signal(torch.tensor([[nan, nan], [1.0, 0.0], [1.0, 0.0]]), W2)
     assert not without_signal(torch.tensor([[nan, 1.0], [1.0, 1.0]]), W2)  # sums 1 and 2
     assert without_signal(torch.tensor([[nan, nan], [2.0, 0.0]]), W2)  # one scored row: its advantage is 0
     # "equal" as GRPOTrainer's frac_reward_zero_std: torch.isclose(std, 0)
-    assert without_signal(torch.tensor([[1.0], [1.0 + 1e-9]], dtype=torch.float64), torch.tensor([1.0]))
+    assert without_signal(torch.tensor([[0.0], [1e-9]]), torch.tensor([1.0]))  # std 7e-10: not exactly equal
     assert not without_signal(torch.tensor([[1.0], [1.001]]), torch.tensor([1.0]))
+
+
+@pytest.mark.unit
+def test_the_filtered_fraction_is_of_the_groups_scored_since_the_previous_batch():
+    stats = TakeStats(staleness=[0] * 4, queue_size=0, wait_s=0.0, dropped_samples_total=0, gen_tokens_per_s=0.0,
+                      filtered_groups_total=7, filtered_since=1, kept_since=3)  # fmt: skip
+    metrics = batch_metrics(stats, [], max_staleness=0, worker_restarts=0, abandoned_groups=None)
+    assert metrics["async/filtered_groups"] == 7 and metrics["async/filtered_frac"] == 0.25
+    none_scored = replace(stats, filtered_since=0, kept_since=0)
+    assert batch_metrics(none_scored, [], 0, 0, None)["async/filtered_frac"] == 0.0
+    off = replace(stats, filtered_groups_total=None)  # dynamic_sampling off: not logged
+    assert "async/filtered_frac" not in batch_metrics(off, [], 0, 0, None)
 
 
 @pytest.mark.unit
 def test_the_filter_warns_each_batchs_worth_in_a_row_and_stops_at_its_limit(caplog):
     same, varied = torch.tensor([[0.5], [0.5]]), torch.tensor([[0.0], [1.0]])
-    f = SignalFilter(torch.tensor([1.0]), "sum_then_normalize", ["my_reward"], groups_per_batch=2, limit_batches=2)
-    assert [f.keep(g) for g in (same, varied, same)] == [False, True, False]
-    assert (f.filtered, f.in_a_row) == (2, 1)  # a kept group starts the count again
-    assert f.keep(same) is False and "last 2 scored groups in a row" in caplog.text and "my_reward" in caplog.text
-    assert f.keep(same) is False
-    with pytest.raises(
-        RuntimeError, match=r"last 4 scored groups in a row.*my_reward \(weight 1\).*dynamic_sampling_limit=2"
-    ):
+    # 1 group per batch: a warning at 5 in a row (every 5 batches' worth), the error at 10 (limit_batches)
+    f = SignalFilter(torch.tensor([1.0]), "sum_then_normalize", ["my_reward"], groups_per_batch=1, limit_batches=10)
+    assert [f.keep(g) for g in (same, same, varied, same)] == [False, False, True, False]
+    assert (f.filtered, f.in_a_row) == (3, 1)  # a kept group starts the count again
+    assert not any(f.keep(same) for _ in range(3)) and "in a row" not in caplog.text  # 4 in a row
+    assert f.keep(same) is False and "last 5 scored groups in a row" in caplog.text and "my_reward" in caplog.text
+    assert not any(f.keep(same) for _ in range(4))  # 9
+    with pytest.raises(RuntimeError, match=r"last 10 .* in a row.*my_reward \(weight 1\).*dynamic_sampling_limit=10"):
         f.keep(same)
     unlimited = SignalFilter(torch.tensor([1.0]), "sum_then_normalize", ["r"], groups_per_batch=1, limit_batches=None)
     assert not any(unlimited.keep(same) for _ in range(50))
@@ -99,11 +122,13 @@ def test_groups_without_signal_never_train_and_their_prompts_are_not_retried(tmp
     pool = trainer.last_rollout_pool
     filtered = [p for p in seen if p in CONSTANT]
     assert pool.filtered_groups == len(filtered)
-    # the logged totals count every constant group scored before each batch was taken
-    assert 1 <= logs[-1]["async/filtered_groups"] <= pool.filtered_groups
-    assert logs[0]["async/filtered_frac"] == pytest.approx(
-        logs[0]["async/filtered_groups"] / (logs[0]["async/filtered_groups"] + 2)
-    )
+    # the logged totals only grow, and count constant groups scored before each batch was taken
+    assert [h["async/filtered_groups"] for h in logs] == sorted(h["async/filtered_groups"] for h in logs)
+    assert logs[-1]["async/filtered_groups"] <= pool.filtered_groups
+    # the filtered prompts are done for resuming whatever a checkpoint's step: positions done at version -1 (before
+    # any training) are exactly the filtered ones
+    progress = pool.prompt_progress(-1)
+    assert progress["next_position"] + len(progress["consumed_after"]) == pool.filtered_groups
 
     # off (the default): the same run trains the constant groups, as GRPOTrainer does
     off = _run(tmp_path / "off", tiny_model_dir, [], dynamic_sampling=False)
@@ -177,9 +202,10 @@ def test_dynamic_sampling_with_environments_and_their_tools(tmp_path, tool_model
     assert trainer.state.global_step == TOOL_SETTINGS["max_steps"]
     assert [len(ps) for _, ps, _ in trainer.consumed] == [3] * TOOL_SETTINGS["max_steps"]  # full batches
     assert hello not in trained(trainer) and trainer.last_rollout_pool.filtered_groups >= 2
-    # every environment a filtered group used went back to the pool, none reset while in use
-    free = trainer.last_rollout_pool.runner.environments._free[None]
-    assert Multiplier.overlaps == 0 and len(free) == Multiplier.created
+    # the environments of filtered groups went back to the pool and were reused (fewer instances than episodes), none
+    # reset while in use
+    episodes = 2 * (3 * TOOL_SETTINGS["max_steps"] + trainer.last_rollout_pool.filtered_groups)
+    assert Multiplier.overlaps == 0 and 0 < Multiplier.created < episodes
     logs = [h for h in trainer.state.log_history if "tools/call_frequency" in h]
     assert logs and all(h["tools/call_frequency"] > 0 for h in logs)  # the episodes did call their tools
     assert no_rollout_children()

@@ -255,11 +255,12 @@ class AsyncFields:
         },
     )
     dynamic_sampling_limit: int | None = field(
-        default=10,
+        default=50,
         metadata={
             "help": "With dynamic_sampling: stop with an error after this many generation batches' worth of groups in "
-            "a row had no signal (a saturated task, or a reward constant by mistake); a warning after each batch's "
-            "worth. None: never stop."
+            "a row had no signal (a saturated task, or a reward constant by mistake); a warning after every 5 "
+            "batches' worth. None: never stop. (A healthy task that filters 90% of its groups reaches 50 batches' "
+            "worth in a row with 2 groups per batch about once in 380,000 groups.)"
         },
     )
     weight_sync_bucket_mb: float = field(

@@ -88,8 +88,9 @@ def batch_metrics(stats, groups, max_staleness: int, worker_restarts: int, aband
     })  # fmt: skip
     if stats.filtered_groups_total is not None:  # dynamic_sampling: groups dropped for having no signal
         out["async/filtered_groups"] = stats.filtered_groups_total
-        # of the groups scored since the previous batch, the fraction filtered (this batch's groups kept)
-        out["async/filtered_frac"] = stats.filtered_since / (stats.filtered_since + len(groups))
+        # of the groups scored since the previous batch was taken, the fraction filtered
+        scored = stats.filtered_since + stats.kept_since
+        out["async/filtered_frac"] = stats.filtered_since / scored if scored else 0.0
     if abandoned_groups is not None:  # environments: groups skipped because their reset raised
         out["async/abandoned_groups"] = abandoned_groups
     return out

@@ -79,6 +79,7 @@ class RolloutPool:
         self._keep = keep
         self.filtered_groups = 0
         self._filtered_since_take = 0
+        self._kept_since_take = 0  # dynamic_sampling: groups scored and kept since the previous take
         self.backend = backend
         self._cv = threading.Condition()
         self._stop = False
@@ -146,8 +147,11 @@ class RolloutPool:
         taken: list[ScoredGroup] = []
         with self._cv:
             queue_size = len(self._ready)
+            filtered_seen = self.filtered_groups
             while len(taken) < n:
                 self._raise_if_failed()
+                if self.filtered_groups != filtered_seen:  # dynamic sampling: groups are still being generated
+                    filtered_seen, deadline = self.filtered_groups, time.perf_counter() + self.settings.timeout_s
                 while self._ready and len(taken) < n:
                     scored = self._ready.popleft()
                     s = staleness(consumer_version, scored.group.token_versions)
@@ -172,6 +176,8 @@ class RolloutPool:
             now = time.perf_counter()
             tokens, self._tokens_since_take = self._tokens_since_take, 0
             filtered, self._filtered_since_take = self._filtered_since_take, 0
+            kept, self._kept_since_take = self._kept_since_take, 0
+            filtered_total = self.filtered_groups if self._keep is not None else None
             rate = tokens / max(now - self._last_take_end, 1e-9)
             self._last_take_end = now
         self.activity.append(("wait", -1, started_at, started_at + (now - start)))
@@ -181,8 +187,9 @@ class RolloutPool:
             wait_s=now - start,
             dropped_samples_total=self.dropped_samples,
             gen_tokens_per_s=rate,
-            filtered_groups_total=self.filtered_groups if self._keep is not None else None,
+            filtered_groups_total=filtered_total,
             filtered_since=filtered,
+            kept_since=kept,
         )
         return taken, stats
 
@@ -436,20 +443,25 @@ class RolloutPool:
             with self._cv:
                 self._abandoned_in_a_row = 0
                 self._tokens_since_take += group.num_sampled_tokens
-                if self._keep is not None and not self._keep(scored.rewards):
-                    self._filter(group)
-                    continue
+                if self._keep is not None:
+                    if not self._keep(scored.rewards):
+                        if self._published - min(group.token_versions) > self.settings.max_staleness:
+                            self._drop_stale(group)  # went stale while scored: generated again, as any stale group
+                        else:
+                            self._filter(group)
+                        continue
+                    self._kept_since_take += 1
                 self._ready.append(scored)
                 self._cv.notify_all()
 
     def _filter(self, group: RolloutGroup) -> None:
         """Dynamic sampling: ``group`` has no signal. Its admission slot goes to a new prompt; its own prompt is done
-        for the stream and for resuming (at the newest published version: a checkpoint saved before this moment does
-        not count it). Caller holds the lock."""
+        for the stream and for resuming, whatever a checkpoint's step (a checkpoint reads the stream when it is saved,
+        so it counts only what was filtered before). Caller holds the lock."""
         self._admitted -= 1
         self.filtered_groups += 1
         self._filtered_since_take += 1
-        self._prompts.taken([self._forget(group.group_id)], self._published)
+        self._prompts.taken([self._forget(group.group_id)], -(2**62))
         self._cv.notify_all()
 
     def _raise_if_failed(self) -> None:

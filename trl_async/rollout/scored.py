@@ -32,3 +32,4 @@ class TakeStats:
     gen_tokens_per_s: float
     filtered_groups_total: int | None = None  # dynamic_sampling: groups dropped for no signal (None: off)
     filtered_since: int = 0  # of those, since the previous take
+    kept_since: int = 0  # groups scored and kept since the previous take
