@@ -48,6 +48,11 @@ def test_two_process_training_syncs_exact_weights(tmp_path, tiny_model_dir, conf
     assert result["compared"] == result["expected"] - len(result["not_compared"]) >= 20
     assert result["verified_adoptions"] >= 2 and result["max_staleness_seen"] <= 1
     assert result["workers_alive"] == [False]
+    if "--peft" in extra:  # adapter-only sync: each version carries the q/v adapters of the 2 layers and their scales
+        assert result["adapter_only"]
+        assert len(result["per_version"]) == 2 * 2 * 2 + 1 and all(
+            ".lora_A." in n or ".lora_B." in n or n == "lora_scales" for n in result["per_version"]
+        ), result["per_version"]
     # every rank trains on one whole group of each step's global batch (2 groups), and its advantages are
     # GRPOTrainer's group-normalised rewards, (r - mean) / (std + 1e-4), worked out here from the logged rewards
     traj = {

@@ -205,7 +205,8 @@ def test_peft_lora_workers_receive_merged_weights(tmp_path, tiny_model_dir, targ
     from trl_async.tiny import save_tiny_model
 
     model_dir = str(save_tiny_model(tmp_path / "untied", tie_word_embeddings=False))
-    args = async_args(tmp_path, max_steps=3, rollout_verify_weights=True, learning_rate=5e-2)
+    # the merged path (adapter-only sync, the default where it applies, is tests/test_lora_sync.py)
+    args = async_args(tmp_path, max_steps=3, rollout_verify_weights=True, learning_rate=5e-2, rollout_lora_sync="merged")
     trainer = AsyncGRPOTrainer(
         model=model_dir,
         reward_funcs=length_reward,

@@ -277,6 +277,17 @@ class AsyncFields:
             "the weights it published (one hash of the model per sync on each side)."
         },
     )
+    rollout_lora_sync: str = field(
+        default="adapters",
+        metadata={
+            "help": "With a LoRA peft_config, what a weight sync sends the transformers workers. 'adapters': the "
+            "frozen base once, then only the adapter factors of each version, which the workers merge themselves "
+            "(tens of MB instead of the whole model). 'merged': the merged full weights every time. 'adapters' "
+            "falls back to 'merged', saying why once, for DoRA and other variants, lora_bias, LoRA on embeddings, "
+            "trainable parameters outside the adapters (modules_to_save, bias='all'), and vLLM servers.",
+            "choices": ["adapters", "merged"],
+        },
+    )
 
     def validate_async_fields(self, loss_type: str | None = None) -> None:
         """Check every async field (``ValueError`` naming the field and the fix) and resolve the defaults that
@@ -428,6 +439,7 @@ class AsyncFields:
                 "back to its default",
             )
         need(self.weight_sync_bucket_mb > 0, "weight_sync_bucket_mb", "set a positive size in MB")
+        need(self.rollout_lora_sync in ("adapters", "merged"), "rollout_lora_sync", "set 'adapters' or 'merged'")
         need(self.rollout_timeout_s > 0, "rollout_timeout_s", "set a positive number of seconds")
         need(
             isinstance(self.rollout_scoring_threads, int) and self.rollout_scoring_threads >= 1,

@@ -24,6 +24,7 @@ from .rollout.prompts import PromptStream
 from .rollout.scored import ScoredGroup
 from .rollout.scoring import RewardScorer, decode_completions
 from .rollout.tool_calls import ToolRunner, split_tools
+from .sync.adapters import adapter_tensors
 from .sync.policy import policy_specs
 
 
@@ -126,9 +127,13 @@ def process_backend(trainer, model) -> ProcessBackend:
             seed=args.seed + 1 + i + 100_003 * trainer.state.global_step,
             verify_weights=a.rollout_verify_weights,
             cpu_affinity=split.workers[i] if split else None,
+            lora_merges=adapter_tensors(model)[2] if trainer._adapter_sync else (),
         )
         for i in range(a.num_rollout_workers)
     ]
+    if trainer._adapter_sync:  # the frozen rest once, the adapters every version (sync/adapters.py)
+        adapters, frozen = policy_specs(model, part="adapters"), policy_specs(model, part="frozen")
+        return ProcessBackend(specs, adapters, trainer._rollout_batch_groups, base_specs=frozen)
     return ProcessBackend(specs, policy_specs(model), trainer._rollout_batch_groups)
 
 

@@ -163,3 +163,28 @@ def pool_geometry(args, num_generations: int, async_args) -> tuple[int, int, int
         )
     per_call = async_args.rollout_batch_groups or math.ceil(groups_per_batch / async_args.num_rollout_workers)
     return groups_per_batch, steps_per_batch, queue_size, per_call
+
+
+def adapter_only_sync(trainer) -> bool:
+    """Whether weight syncs send the LoRA adapters alone (``rollout_lora_sync="adapters"``, sync/adapters.py). Where a
+    peft model's updates cannot go that way, says why once and falls back to the merged full weights."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if not is_peft_model(model):
+        return False
+    from .sync.policy import policy_units
+
+    policy_units(model)  # refuses here, at construction, what neither way can send (DoRA, lora_bias)
+    if trainer.async_args.rollout_lora_sync == "merged":
+        return False
+    if trainer.async_args.rollout_backend == "vllm":
+        reason = "adapter-only sync to vLLM servers is not built yet"
+    else:
+        from .sync.adapters import adapter_sync_blocker
+
+        reason = adapter_sync_blocker(model)
+    if reason is not None:
+        logger.warning(
+            f"rollout_lora_sync='adapters': every weight sync sends the merged full weights instead, because {reason}."
+            " Set rollout_lora_sync='merged' to silence this."
+        )
+    return reason is None

@@ -35,7 +35,7 @@ from .rollout.pool import RolloutPool
 from .rollout.scored import ScoredGroup
 from .rollout.scoring import RewardScorer, unsharded_reward_models
 from .rollout.tool_calls import ToolRunner
-from .setup_checks import check_after_loading, pool_geometry, refuse_before_loading
+from .setup_checks import adapter_only_sync, check_after_loading, pool_geometry, refuse_before_loading
 from .sync.policy import iter_policy_buckets
 from .trajectories import append_jsonl, trajectory_records
 
@@ -107,6 +107,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         )
         self.async_args = async_fields_of(self.args)
         check_after_loading(self)
+        self._adapter_sync = adapter_only_sync(self)  # LoRA: workers get the base once, then only the adapters
+        self._base_pending = False
         # under ZeRO-3 a collective: every rank gathers each sharded reward model, the main process keeps a copy
         self._scoring_reward_funcs = unsharded_reward_models(
             self.reward_funcs, self._dist, self.accelerator.is_main_process, self.accelerator.device
@@ -196,6 +198,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             if self._core_split is not None:  # after the workers' forkserver started (it keeps the mask it had)
                 self._pinned = PinnedTrainer(self._core_split.trainer)
         self._pool_started = True
+        self._base_pending = self._adapter_sync  # new workers: the frozen base goes with this first version
         self._publish_weights(self.state.global_step)
 
     def _save_checkpoint(self, model, trial):
@@ -225,16 +228,31 @@ class AsyncGRPOTrainer(GRPOTrainer):
     # ---- weights -------------------------------------------------------------------------------------------------
     def _publish_weights(self, version: int) -> None:
         """All ranks, main thread, same order: stream the full policy bucket by bucket; the main process copies
-        each bucket into the workers' shared memory before the next bucket is gathered."""
+        each bucket into the workers' shared memory before the next bucket is gathered. With adapter-only LoRA sync
+        the frozen rest of the model goes once, with the pool's first version, and then only the adapters."""
         model = self.accelerator.unwrap_model(self.model)
-        buckets = iter_policy_buckets(
-            model,
-            self._dist.gather_params,
-            int(self.async_args.weight_sync_bucket_mb * 2**20),
-            flat_zero3=self._dist.is_zero3,
-            out=self._pool.publish_target if self._pool is not None else None,  # ZeRO-3 shards land there directly
-            persistent_only=self.async_args.rollout_backend == "vllm",  # a vLLM model loads checkpoint tensors only
-        )
+
+        def stream(part: str, out):
+            return iter_policy_buckets(
+                model,
+                self._dist.gather_params,
+                int(self.async_args.weight_sync_bucket_mb * 2**20),
+                flat_zero3=self._dist.is_zero3,
+                out=out,  # ZeRO-3 shards land there directly
+                persistent_only=self.async_args.rollout_backend == "vllm",  # a vLLM model loads checkpoint tensors
+                part=part,
+            )
+
+        if self._base_pending:
+            self._base_pending = False
+            base = stream("frozen", self._pool.backend.base_target if self._pool is not None else None)
+            if self._pool is not None:
+                self._pool.backend.publish_base(base, version)
+            else:
+                for _ in base:  # take part in the gathers
+                    pass
+        buckets = stream("adapters" if self._adapter_sync else "full",
+                         self._pool.publish_target if self._pool is not None else None)  # fmt: skip
         if self._pool is not None:
             seconds = self._pool.publish(buckets, version)
             self._metrics["train"]["async/weight_sync_s"].append(seconds)

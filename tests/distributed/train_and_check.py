@@ -102,8 +102,15 @@ def main():
             write_vllm_result(cli, trainer, reference, pool)
             trainer.accelerator.wait_for_everyone()
             return
+        published = pool.backend.weights.tensors
+        adapter_only = getattr(pool.backend, "base", None) is not None
+        per_version = sorted(published)  # what each version after the first sends
+        if adapter_only:  # LoRA: the frozen base (sent once) with the last version's adapters merged, as a worker does
+            from trl_async.sync.adapters import merged_weights
+
+            published = merged_weights(pool.backend.specs[0].lora_merges, pool.backend.base.tensors, published)
         compared, mismatches = 0, []
-        for name, tensor in pool.backend.weights.tensors.items():
+        for name, tensor in published.items():
             if name in reference:
                 compared += 1
                 if not torch.allclose(tensor, reference[name].to(tensor.dtype), rtol=0, atol=1e-6 if cli.peft else 0):
@@ -112,9 +119,11 @@ def main():
             **run_facts(trainer),
             "verified_adoptions": pool.verified_adoptions,
             "compared": compared,
-            "expected": len(pool.backend.weights.tensors),
+            "expected": len(published),
             "mismatches": mismatches,
-            "not_compared": [n for n in pool.backend.weights.tensors if n not in reference],
+            "not_compared": [n for n in published if n not in reference],
+            "adapter_only": adapter_only,
+            "per_version": per_version,
             "workers_alive": [p.is_alive() for p in pool.processes],
         }
         with open(cli.out, "w") as f:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .adapters import SCALES, adapter_tensors, clean_peft_name
 from .gloo import plan_buckets
 
 
@@ -42,12 +43,6 @@ def _unit(name: str, tensor: torch.Tensor, params=None, compute=None) -> _Unit:
     nbytes = int(torch.Size(shape).numel()) * tensor.element_size()
     gathered = tuple(params) if params is not None else ((tensor,) if isinstance(tensor, torch.nn.Parameter) else ())
     return _Unit(name, gathered, compute or (lambda: tensor.data), nbytes, shape, tensor.dtype, compute is None)
-
-
-def _clean_peft_name(name: str) -> str:
-    return (
-        name.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
-    )
 
 
 def _buffers(model: torch.nn.Module, persistent_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
@@ -86,15 +81,15 @@ def _peft_units(model, persistent_only: bool) -> list[_Unit]:
             return weight
 
         units.append(
-            _unit(_clean_peft_name(f"{module_name}.base_layer.weight"), base.weight, (base.weight, *extra), merged)
+            _unit(clean_peft_name(f"{module_name}.base_layer.weight"), base.weight, (base.weight, *extra), merged)
         )
         covered.add(id(base.weight))
     for name, p in model.named_parameters():
         if id(p) in covered or "lora_" in name or ".original_module." in name:
             continue
-        units.append(_unit(_clean_peft_name(name), p))
+        units.append(_unit(clean_peft_name(name), p))
     for name, b in _buffers(model, persistent_only):
-        units.append(_unit(_clean_peft_name(name), b))
+        units.append(_unit(clean_peft_name(name), b))
     return units
 
 
@@ -103,9 +98,37 @@ def is_peft(model: torch.nn.Module) -> bool:
     return hasattr(model, "get_base_model") and getattr(model, "peft_config", None) is not None
 
 
-def policy_units(model: torch.nn.Module, persistent_only: bool = False) -> list[_Unit]:
+def _frozen_units(model, persistent_only: bool) -> list[_Unit]:
+    """A peft model's parameters and buffers outside the adapters, as they are (adapted layers unmerged)."""
+    params = [_unit(clean_peft_name(n), p) for n, p in model.named_parameters()
+              if "lora_" not in n and ".original_module." not in n]  # fmt: skip
+    return params + [_unit(clean_peft_name(n), b) for n, b in _buffers(model, persistent_only)]
+
+
+def _adapter_units(model) -> list[_Unit]:
+    """The active adapters' factors, then one float64 tensor of their scales (sync/adapters.py)."""
+    factors, scales, _ = adapter_tensors(model)
+    scale_tensor = torch.tensor(scales, dtype=torch.float64)
+    units = [_unit(n, p) for n, p in factors]
+    units.append(_Unit(SCALES, (), lambda: scale_tensor, scale_tensor.numel() * 8, tuple(scale_tensor.shape),
+                       torch.float64, True))  # fmt: skip
+    return units
+
+
+PARTS = ("full", "frozen", "adapters")
+
+
+def policy_units(model: torch.nn.Module, persistent_only: bool = False, part: str = "full") -> list[_Unit]:
     """What the workers receive, in a fixed order: parameters then buffers (only checkpointed ones with
-    ``persistent_only``), under the base model's names."""
+    ``persistent_only``), under the base model's names. ``part`` (peft models): "full", the merged model; "frozen",
+    everything outside the adapters, unmerged (sent once); "adapters", the adapter factors and their scales (sent
+    every version, sync/adapters.py)."""
+    if part not in PARTS or (part != "full" and not is_peft(model)):
+        raise ValueError(f"part={part!r}: one of {PARTS}, and only 'full' for a model without adapters")
+    if part == "frozen":
+        return _frozen_units(model, persistent_only)
+    if part == "adapters":
+        return _adapter_units(model)
     if is_peft(model):
         return _peft_units(model, persistent_only)
     params = [_unit(n, p) for n, p in model.named_parameters()]
@@ -113,10 +136,10 @@ def policy_units(model: torch.nn.Module, persistent_only: bool = False) -> list[
 
 
 def policy_specs(
-    model: torch.nn.Module, persistent_only: bool = False
+    model: torch.nn.Module, persistent_only: bool = False, part: str = "full"
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Full shape and dtype of every tensor ``iter_policy_buckets`` yields (readable without any gather)."""
-    return {u.name: (u.shape, u.dtype) for u in policy_units(model, persistent_only)}
+    return {u.name: (u.shape, u.dtype) for u in policy_units(model, persistent_only, part)}
 
 
 def _zero3_full_tensors(params: list[torch.Tensor], dests: list[torch.Tensor | None]) -> list[torch.Tensor] | None:
@@ -205,6 +228,7 @@ def iter_policy_buckets(
     flat_zero3: bool = False,
     out: Mapping[str, torch.Tensor] | None = None,
     persistent_only: bool = False,
+    part: str = "full",
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield ``[(name, full tensor), ...]`` buckets of at most ``bucket_bytes`` (one oversized tensor goes alone).
 
@@ -213,9 +237,9 @@ def iter_policy_buckets(
     empty buckets, and rank 0 writes those tensors straight into ``out[name]`` when ``out`` is given (the yielded
     tensor is then ``out[name]`` itself, which a consumer can skip copying). Only rank 0's buckets are meant to be
     consumed. Every rank must exhaust this generator in the same order; tensors are valid only until the next
-    ``next()``.
+    ``next()``. ``part``: as ``policy_units``.
     """
-    units = policy_units(model, persistent_only)
+    units = policy_units(model, persistent_only, part)
     buckets = [[units[i] for i in span] for span in plan_buckets([u.nbytes for u in units], bucket_bytes)]  # as the
     # vLLM gloo receiver cuts them. Shards off the compute device (offloaded) take DeepSpeed's gather, and every rank
     # must agree per bucket (its shards may be swapped in on one rank and not another)

@@ -55,22 +55,24 @@ class SharedMemoryWeights:
     makes it the newest. Each buffer has a sequence counter (a seqlock): odd while it is being written, bumped again
     when done. A worker copies the newest buffer and re-reads its counter; if a publish touched the buffer meanwhile
     (two publishes during one copy), the copy is discarded and repeated, so a worker never adopts a mixed set.
-    Memory: twice the policy size.
+    Memory: twice the policy size. With ``copies=1`` (a set published once, such as the frozen base under
+    adapter-only LoRA sync) there is one buffer: a publish then overwrites the set readers use, and a reader that
+    overlaps it waits for it to finish (the seqlock), so a single buffer suits only rarely published sets.
 
     Each buffer is one flat shared tensor per dtype, and the named tensors are views into it, so a worker receives
     the whole set in a few file descriptors: a forkserver hands a child at most ~250, and a policy has hundreds of
     tensors.
     """
 
-    def __init__(self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], mp_context) -> None:
+    def __init__(self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], mp_context, copies: int = 2) -> None:
         self._layout, sizes = flat_layout(specs)
         self._flats = [
             {dtype: torch.empty(max(size, 1), dtype=dtype).share_memory_() for dtype, size in sizes.items()}
-            for _ in range(2)
+            for _ in range(copies)
         ]
         self.buffers = [self._views(flats) for flats in self._flats]  # unset until written: no version reads them
-        self._seq = mp_context.Array("q", 2, lock=False)  # per buffer: odd while being written
-        self._versions = mp_context.Array("q", [-1, -1], lock=False)
+        self._seq = mp_context.Array("q", copies, lock=False)  # per buffer: odd while being written
+        self._versions = mp_context.Array("q", [-1] * copies, lock=False)
         self._newest = mp_context.Value("q", 0, lock=False)
 
     def _views(self, flats: Mapping[torch.dtype, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -94,7 +96,11 @@ class SharedMemoryWeights:
         """The set the next ``publish`` writes into. A producer may fill these in place (only from the publishing
         thread, only for that next publish) and yield them as they are: ``publish`` skips copying a tensor onto
         itself."""
-        return self.buffers[1 - self._newest.value]
+        return self.buffers[self._spare]
+
+    @property
+    def _spare(self) -> int:
+        return (self._newest.value + 1) % len(self.buffers)
 
     @property
     def version(self) -> int:
@@ -111,7 +117,7 @@ class SharedMemoryWeights:
         when a ``digest`` is fed), then make it the newest with ``version``. Each bucket is copied before the next
         one is requested. On error the newest buffer is untouched. ``ready`` is called once the set is complete (the
         digest final) and before any worker can see it: a worker may adopt it the moment it is visible."""
-        spare = 1 - self._newest.value
+        spare = self._spare
         target = self.buffers[spare]
         self._seq[spare] += 1  # odd: being written
         try:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ...records import RolloutGroup, RolloutTask, WeightsAdopted, WorkerFailed, WorkerReady
+from ...sync.adapters import LoraMerge, merge_adapters
 from ...sync.shared_memory import SharedMemoryWeights, weights_digest
 
 
@@ -45,6 +46,9 @@ class WorkerSpec:
     seed: int
     verify_weights: bool
     cpu_affinity: tuple[int, ...] | None = None  # the cores it runs on (rollout_cpu_affinity), else inherited
+    # adapter-only LoRA sync (sync/adapters.py): how to rebuild each adapted weight from the frozen base and the
+    # factors of a version; empty when the workers receive full weights
+    lora_merges: tuple[LoraMerge, ...] = ()
 
 
 WARPER_FIELDS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
@@ -227,10 +231,13 @@ def _beat(heartbeat) -> None:
         time.sleep(HEARTBEAT_INTERVAL_S)
 
 
-def worker_main(spec: WorkerSpec, weights: SharedMemoryWeights, tasks, results, heartbeat) -> None:
+def worker_main(
+    spec: WorkerSpec, weights: SharedMemoryWeights, tasks, results, heartbeat, base: SharedMemoryWeights | None = None
+) -> None:
     """Process entry point. ``tasks``/``results`` are this worker's own pipe ends (a killed worker cannot corrupt
     another worker's channel); ``heartbeat`` is a shared double it refreshes every ``HEARTBEAT_INTERVAL_S``. Stops on
-    a ``None`` task; reports any exception as ``WorkerFailed`` and exits."""
+    a ``None`` task; reports any exception as ``WorkerFailed`` and exits. With adapter-only LoRA sync, ``base`` holds
+    the frozen weights (published once) and ``weights`` each version's adapter factors, which the worker merges."""
     try:
         if spec.cpu_affinity:  # before any thread starts: threads inherit the calling thread's cores (and nice)
             os.sched_setaffinity(0, spec.cpu_affinity)
@@ -242,18 +249,32 @@ def worker_main(spec: WorkerSpec, weights: SharedMemoryWeights, tasks, results, 
         model = build_policy_copy(spec)
         named = dict(model.named_parameters())
         named.update(model.named_buffers())
-        params = {name: named[name] for name in weights.tensors}  # KeyError names a mismatch early
+        while weights.version < 0:  # the trainer publishes right after starting the workers
+            time.sleep(0.01)
+        merge = None
+        if base is None:
+            params = {name: named[name] for name in weights.tensors}  # KeyError names a mismatch early
+        else:  # the frozen base once into the model, then per version the factors into a private copy, merged
+            if base.pull_into({name: named[name] for name in base.tensors}, -1) is None:
+                raise RuntimeError("adapter-only LoRA sync: the frozen base weights were not published first")
+            params = {name: torch.empty_like(t) for name, t in weights.tensors.items()}
+            targets = {m.weight: named[m.weight] for m in spec.lora_merges}
+            frozen = base.tensors  # shared, only read: the unmerged base of every adapted weight
+
+            def merge() -> None:
+                merge_adapters(spec.lora_merges, frozen, params, targets)
+
         state = {"version": -1}
 
         def adopt() -> None:
             new_version = weights.pull_into(params, state["version"])
             if new_version is not None:
+                if merge is not None:
+                    merge()
                 state["version"] = new_version
                 digest = weights_digest(params.items()) if spec.verify_weights else None
                 results.send(WeightsAdopted(spec.worker_id, new_version, digest))
 
-        while weights.version < 0:  # the trainer publishes right after starting the workers
-            time.sleep(0.01)
         adopt()
         cores = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
         results.send(WorkerReady(spec.worker_id, os.getpid(), cores, torch.get_num_threads()))

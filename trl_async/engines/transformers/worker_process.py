@@ -66,7 +66,13 @@ class WorkerProcess:
 
     @classmethod
     def start(
-        cls, ctx, spec: WorkerSpec, weights: SharedMemoryWeights, restarts: int = 0, max_outstanding: int = 2
+        cls,
+        ctx,
+        spec: WorkerSpec,
+        weights: SharedMemoryWeights,
+        restarts: int = 0,
+        max_outstanding: int = 2,
+        base: SharedMemoryWeights | None = None,
     ) -> WorkerProcess:
         task_recv, task_send = ctx.Pipe(duplex=False)
         result_recv, result_send = ctx.Pipe(duplex=False)
@@ -75,7 +81,7 @@ class WorkerProcess:
             spec = dataclasses.replace(spec, seed=spec.seed + 7919 * restarts)
         process = ctx.Process(
             target=worker_main,
-            args=(spec, weights, task_recv, result_send, heartbeat),
+            args=(spec, weights, task_recv, result_send, heartbeat, base),
             name=f"trl_async-rollout-{spec.worker_id}",
             daemon=True,
         )
@@ -158,18 +164,33 @@ def worker_context():
 
 
 class ProcessBackend:
-    """The pool's backend for ``rollout_backend="transformers"``: worker processes and shared-memory weights."""
+    """The pool's backend for ``rollout_backend="transformers"``: worker processes and shared-memory weights.
+    ``base_specs``: adapter-only LoRA sync, where ``weight_specs`` are the adapters' tensors (every version) and
+    ``base_specs`` the frozen rest, in one shared buffer published once (``publish_base``)."""
 
     restartable = True
 
-    def __init__(self, specs: list[WorkerSpec], weight_specs: dict, groups_per_call: int) -> None:
+    def __init__(
+        self, specs: list[WorkerSpec], weight_specs: dict, groups_per_call: int, base_specs: dict | None = None
+    ) -> None:
         self.specs = specs
         self.ctx = worker_context()
         self.weights = SharedMemoryWeights(weight_specs, self.ctx)
+        self.base = SharedMemoryWeights(base_specs, self.ctx, copies=1) if base_specs is not None else None
         self.max_outstanding = 2 * groups_per_call  # the chunk being generated and the next one
 
     def start_lane(self, index: int, restarts: int = 0) -> WorkerProcess:
-        return WorkerProcess.start(self.ctx, self.specs[index], self.weights, restarts, self.max_outstanding)
+        return WorkerProcess.start(
+            self.ctx, self.specs[index], self.weights, restarts, self.max_outstanding, base=self.base
+        )
+
+    @property
+    def base_target(self):
+        return self.base.spare_tensors if self.base is not None else None
+
+    def publish_base(self, buckets, version: int) -> None:
+        """The frozen weights of adapter-only LoRA sync, once, before the first version of the adapters."""
+        self.base.publish(buckets, version)
 
     @property
     def publish_target(self):

@@ -1,0 +1,134 @@
+"""Adapter-only weight sync for LoRA: what travels, and how a worker rebuilds the adapted weights from it.
+
+With ``peft_config`` every parameter outside the adapters is frozen, so after the first sync only the LoRA factors
+change. A worker then holds the frozen base once (published with the first version, in shared memory it only reads)
+and receives, per version, the factors A and B of every adapted layer and their scales. It merges them itself,
+``W = W_base + scale * (B @ A)`` (transposed for ``fan_in_fan_out``), with the arithmetic of peft's
+``get_delta_weight``, so it generates with a plain model at the base model's speed: no adapter matmuls per token.
+
+What cannot go adapter-only (``adapter_sync_blocker`` says why) falls back to the merged full weights: DoRA and other
+variants, ``lora_bias``, LoRA on embeddings or convolutions, and any trainable parameter outside the adapters
+(``modules_to_save``, peft's ``bias="all"``/``"lora_only"``). This module must not import the trainer, peft or
+deepspeed at import time: the rollout workers import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+SCALES = "lora_scales"  # the name of the float64 tensor of every factor's scale, sent with each version
+
+
+@dataclass(frozen=True)
+class LoraMerge:
+    """How one adapted weight is rebuilt: ``weight = base + sum(scale[i] * (B @ A))`` over its active adapters.
+    ``factors`` are ``(A name, B name, index into the scales tensor)``; names are those of the published tensors."""
+
+    weight: str
+    factors: tuple[tuple[str, str, int], ...]
+    fan_in_fan_out: bool
+
+
+def clean_peft_name(name: str) -> str:
+    """A peft parameter's name as the base model (and so a worker's plain model) calls it."""
+    return (
+        name.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+    )
+
+
+def _lora_layers(model: torch.nn.Module):
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and not module.disable_adapters:
+            yield name, module
+
+
+def adapter_sync_blocker(model: torch.nn.Module) -> str | None:
+    """Why this peft model's updates cannot travel as its adapters alone, or ``None`` when they can: every
+    trainable parameter is the A or B factor of a plain LoRA adapter on an ``nn.Linear``."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    types = {str(getattr(c, "peft_type", "?")) for c in model.peft_config.values()}
+    if types != {"PeftType.LORA"} and types != {"LORA"}:
+        return f"peft type {sorted(types)} (adapter-only sync handles LoRA)"
+    factors = set()
+    for name, module in _lora_layers(model):
+        active = [a for a in module.active_adapters if a in module.lora_A or a in module.lora_embedding_A]
+        if not isinstance(module, LoraLinear) or any(a in module.lora_embedding_A for a in active):
+            return f"LoRA on `{clean_peft_name(name)}` ({type(module.get_base_layer()).__name__}, not nn.Linear)"
+        for a in active:
+            if a in getattr(module, "lora_variant", {}):
+                return f"`{clean_peft_name(name)}` uses a LoRA variant ({type(module.lora_variant[a]).__name__}, e.g. DoRA)"
+            if getattr(module, "lora_bias", {}).get(a, False):
+                return f"`{clean_peft_name(name)}` has lora_bias"
+            factors.update(id(p) for p in (module.lora_A[a].weight, module.lora_B[a].weight))
+    others = [clean_peft_name(n) for n, p in model.named_parameters() if p.requires_grad and id(p) not in factors]
+    if others:
+        return (
+            f"{len(others)} trainable parameters outside the adapters ({', '.join(others[:3])}"
+            f"{', ...' if len(others) > 3 else ''}: modules_to_save, or peft's bias='all'/'lora_only')"
+        )
+    if not factors:
+        return "no active LoRA adapter"
+    return None
+
+
+def adapter_tensors(
+    model: torch.nn.Module,
+) -> tuple[list[tuple[str, torch.Tensor]], list[float], tuple[LoraMerge, ...]]:
+    """``(factors, scales, merges)``: every active adapter's A and B parameters under their published names, the
+    scale of each (A, B) pair, and how each adapted weight is rebuilt from them. Valid when
+    ``adapter_sync_blocker(model)`` is None."""
+    factors, scales, merges = [], [], []
+    for name, module in _lora_layers(model):
+        pairs = []
+        for a in module.active_adapters:
+            if a not in module.lora_A:
+                continue
+            prefix = clean_peft_name(name)
+            names = (f"{prefix}.lora_A.{a}.weight", f"{prefix}.lora_B.{a}.weight")
+            factors += [(names[0], module.lora_A[a].weight), (names[1], module.lora_B[a].weight)]
+            pairs.append((*names, len(scales)))
+            scales.append(float(module.scaling[a]))
+        if pairs:
+            merges.append(LoraMerge(f"{clean_peft_name(name)}.weight", tuple(pairs), bool(module.fan_in_fan_out)))
+    return factors, scales, tuple(merges)
+
+
+def merge_adapters(
+    merges: tuple[LoraMerge, ...],
+    base: Mapping[str, torch.Tensor],
+    adapters: Mapping[str, torch.Tensor],
+    out: Mapping[str, torch.Tensor],
+) -> None:
+    """``out[m.weight] = base[m.weight] + sum(scale * (B @ A))`` for every merge, as peft's ``get_delta_weight``
+    computes it (bf16/fp16 factors on a CPU in float32, the delta cast to the factors' dtype, then to the base's),
+    cast into ``out``'s dtype. ``base`` is never written."""
+    scales = adapters[SCALES].tolist()
+    with torch.no_grad():
+        for m in merges:
+            weight = base[m.weight].clone()
+            for a_name, b_name, index in m.factors:
+                a, b = adapters[a_name], adapters[b_name]
+                to_fp32 = a.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16)
+                delta = b.float() @ a.float() if to_fp32 else b @ a
+                if m.fan_in_fan_out:
+                    delta = delta.T
+                delta = (delta * scales[index]).to(b.dtype)
+                weight += delta.to(weight.dtype)
+            out[m.weight].copy_(weight)
+
+
+def merged_weights(
+    merges: tuple[LoraMerge, ...], base: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The full weights a worker generates with: ``base`` with every adapted weight replaced by its merge (new
+    tensors; ``base`` is not written)."""
+    out = dict(base)
+    out.update({m.weight: torch.empty_like(base[m.weight]) for m in merges})
+    merge_adapters(merges, base, adapters, out)
+    return out
