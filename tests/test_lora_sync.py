@@ -4,6 +4,7 @@ factors and merge them; what cannot go that way falls back to the merged full we
 import copy
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -73,13 +74,11 @@ def test_per_version_bytes_are_the_adapters_only():
     "lora,reason",
     [
         ({}, None),
-        ({"use_dora": True}, "LoRA variant"),
-        ({"lora_bias": True}, "lora_bias"),
         ({"bias": "all"}, "trainable parameters outside the adapters"),
         ({"modules_to_save": ["lm_head"]}, "trainable parameters outside the adapters (lm_head"),
         ({"target_modules": ["q_proj", "embed_tokens"]}, "`model.embed_tokens` (Embedding, not nn.Linear)"),
     ],
-    ids=["plain", "dora", "lora_bias", "bias_all", "modules_to_save", "embedding"],
+    ids=["plain", "bias_all", "modules_to_save", "embedding"],
 )
 def test_what_cannot_go_adapter_only_is_named(lora, reason):
     blocker = adapter_sync_blocker(peft_model(**lora))
@@ -168,3 +167,14 @@ def test_what_cannot_go_adapter_only_falls_back_to_merged_weights_and_says_why(t
     merged = trainer.model.merge_and_unload()
     for name, tensor in merged.named_parameters():
         torch.testing.assert_close(pool.backend.weights.tensors[name], tensor, rtol=0, atol=1e-6)
+
+
+def test_dora_is_refused_at_construction(tmp_path, tiny_model_dir):
+    """Neither way sends DoRA (its magnitude vector rescales the merged weight); TRL itself refuses LoRA on lm_head."""
+    from peft import LoraConfig
+
+    config = LoraConfig(r=4, target_modules=["q_proj"], use_dora=True)
+    message = "only plain LoRA adapters can be merged for the rollout workers (not DoRA"
+    with pytest.raises(NotImplementedError, match=re.escape(message)):
+        AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=async_args(tmp_path),
+                         train_dataset=text_dataset(), peft_config=config)  # fmt: skip

@@ -283,8 +283,8 @@ class AsyncFields:
             "help": "With a LoRA peft_config, what a weight sync sends the transformers workers. 'adapters': the "
             "frozen base once, then only the adapter factors of each version, which the workers merge themselves "
             "(tens of MB instead of the whole model). 'merged': the merged full weights every time. 'adapters' "
-            "falls back to 'merged', saying why once, for DoRA and other variants, lora_bias, LoRA on embeddings, "
-            "trainable parameters outside the adapters (modules_to_save, bias='all'), and vLLM servers.",
+            "falls back to 'merged', saying why once, for LoRA on embeddings, trainable parameters outside the adapters "
+            "(modules_to_save, bias='all'), and vLLM servers.",
             "choices": ["adapters", "merged"],
         },
     )

@@ -108,6 +108,7 @@ def process_backend(trainer, model) -> ProcessBackend:
     base = model.get_base_model() if is_peft_model(model) else model
     fp16 = args.fp16 and trainer.accelerator.device.type != "cpu"  # accelerate autocasts only bf16 on a CPU
     split = trainer._core_split  # rollout_cpu_affinity: each worker's cores
+    merges = adapter_tensors(model)[2] if trainer._adapter_sync else ()  # how workers rebuild the adapted weights
     specs = [
         WorkerSpec(
             worker_id=i,
@@ -127,7 +128,7 @@ def process_backend(trainer, model) -> ProcessBackend:
             seed=args.seed + 1 + i + 100_003 * trainer.state.global_step,
             verify_weights=a.rollout_verify_weights,
             cpu_affinity=split.workers[i] if split else None,
-            lora_merges=adapter_tensors(model)[2] if trainer._adapter_sync else (),
+            lora_merges=merges,
         )
         for i in range(a.num_rollout_workers)
     ]

@@ -40,16 +40,26 @@ def unsupported_setup(model, args, quantization_config) -> str | None:
 
 
 def check_lora_on_tied_embeddings(model: nn.Module) -> None:
-    """A LoRA adapter on an input embedding tied to the output layer: the trainer's forward adds it to the embedding
-    lookup only, while a worker given the merged embedding would use it for the output layer too (the tie), sampling
-    from another policy. Refused rather than silently corrected as staleness. ``model``: a peft model."""
+    """A LoRA adapter on a weight tied to another layer (an input embedding tied to the output layer, or the output
+    layer tied to the embedding): the trainer's forward adds it in the adapted layer only, while a worker given the
+    merged weight would use it in both (the tie), sampling from another policy. Refused rather than silently corrected
+    as staleness. ``model``: a peft model."""
+    from .sync.adapters import clean_peft_name
+
+    owners: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(name)
     output_weight = getattr(model.get_output_embeddings(), "weight", None)
     for name, module in model.named_modules():
-        adapters = getattr(module, "lora_embedding_A", None)
-        if adapters and output_weight is not None and module.get_base_layer().weight is output_weight:
+        if not (getattr(module, "lora_A", None) or getattr(module, "lora_embedding_A", None)):
+            continue
+        weight = module.get_base_layer().weight
+        others = [clean_peft_name(n) for n in owners.get(id(weight), []) if not n.startswith(f"{name}.")]
+        if others:
+            tied = "the output layer" if weight is output_weight and getattr(module, "lora_embedding_A", None) else ""
             raise NotImplementedError(
-                f"LoRA on `{name}`, whose weight is tied to the output layer: the rollout workers would sample with "
-                "the adapter in the output layer too, the trainer without. Leave the embedding out of "
+                f"LoRA on `{name}`, whose weight is tied to {tied or 'another layer'} (`{others[0]}`): the rollout "
+                "workers would sample with the adapter in both layers, the trainer with it in one. Leave it out of "
                 "target_modules (or train it fully with modules_to_save), or use a model with untied embeddings."
             )
 
@@ -167,22 +177,22 @@ def pool_geometry(args, num_generations: int, async_args) -> tuple[int, int, int
 
 def adapter_only_sync(trainer) -> bool:
     """Whether weight syncs send the LoRA adapters alone (``rollout_lora_sync="adapters"``, sync/adapters.py). Where a
-    peft model's updates cannot go that way, says why once and falls back to the merged full weights."""
+    peft model's updates cannot go that way, the main process says why once and the merged full weights are sent
+    (every rank decides alike: it depends on the model's structure only)."""
+    from .sync.adapters import adapter_sync_blocker
+    from .sync.policy import policy_units
+
     model = trainer.accelerator.unwrap_model(trainer.model)
     if not is_peft_model(model):
         return False
-    from .sync.policy import policy_units
-
-    policy_units(model)  # refuses here, at construction, what neither way can send (DoRA, lora_bias)
+    policy_units(model)  # refuses here, at construction, what neither way can send (DoRA, lora_bias, merged layers)
     if trainer.async_args.rollout_lora_sync == "merged":
         return False
     if trainer.async_args.rollout_backend == "vllm":
         reason = "adapter-only sync to vLLM servers is not built yet"
     else:
-        from .sync.adapters import adapter_sync_blocker
-
         reason = adapter_sync_blocker(model)
-    if reason is not None:
+    if reason is not None and trainer.accelerator.is_main_process:
         logger.warning(
             f"rollout_lora_sync='adapters': every weight sync sends the merged full weights instead, because {reason}."
             " Set rollout_lora_sync='merged' to silence this."

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -243,19 +244,22 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 part=part,
             )
 
+        base_s = 0.0
         if self._base_pending:
             self._base_pending = False
+            start = time.perf_counter()
             base = stream("frozen", self._pool.backend.base_target if self._pool is not None else None)
             if self._pool is not None:
                 self._pool.backend.publish_base(base, version)
             else:
                 for _ in base:  # take part in the gathers
                     pass
+            base_s = time.perf_counter() - start
         buckets = stream("adapters" if self._adapter_sync else "full",
                          self._pool.publish_target if self._pool is not None else None)  # fmt: skip
         if self._pool is not None:
             seconds = self._pool.publish(buckets, version)
-            self._metrics["train"]["async/weight_sync_s"].append(seconds)
+            self._metrics["train"]["async/weight_sync_s"].append(seconds + base_s)
         else:
             for _ in buckets:  # take part in the gathers
                 pass

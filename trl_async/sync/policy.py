@@ -66,6 +66,10 @@ def _peft_units(model, persistent_only: bool) -> list[_Unit]:
         factors = {a: (module.lora_A[a].weight, module.lora_B[a].weight) for a in module.lora_A}
         factors.update({a: (module.lora_embedding_A[a], module.lora_embedding_B[a]) for a in module.lora_embedding_A})
         adapters = [a for a in module.active_adapters if a in factors]
+        if module.merged:  # peft's merge_adapter(): the base weight already holds the delta
+            raise NotImplementedError(
+                f"{module_name}: the adapter is merged into the base weight (merge_adapter); unmerge it before training"
+            )
         for a in adapters:
             if a in getattr(module, "lora_variant", {}) or getattr(module, "lora_bias", {}).get(a, False):
                 raise NotImplementedError(

@@ -25,12 +25,18 @@ class Digest:
         self._h.update(name.encode())
         self._h.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
 
+    def update_text(self, text: str) -> None:
+        """Chain in another digest (the frozen base's, under adapter-only LoRA sync) or any label."""
+        self._h.update(text.encode())
+
     def hexdigest(self) -> str:
         return self._h.hexdigest()
 
 
-def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]], chained: str | None = None) -> str:
     digest = Digest()
+    if chained is not None:
+        digest.update_text(chained)
     for name, tensor in named_tensors:
         digest.update(name, tensor)
     return digest.hexdigest()
@@ -116,7 +122,9 @@ class SharedMemoryWeights:
         """Copy every bucket's ``(name, tensor)`` pairs into the spare buffer (each name exactly once, in spec order
         when a ``digest`` is fed), then make it the newest with ``version``. Each bucket is copied before the next
         one is requested. On error the newest buffer is untouched. ``ready`` is called once the set is complete (the
-        digest final) and before any worker can see it: a worker may adopt it the moment it is visible."""
+        digest final) and before any worker can see it: a worker may adopt it the moment it is visible. With
+        ``copies=1`` an error leaves the only buffer half written (its counter even again): publish such a set once,
+        before any reader."""
         spare = self._spare
         target = self.buffers[spare]
         self._seq[spare] += 1  # odd: being written

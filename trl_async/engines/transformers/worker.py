@@ -251,12 +251,14 @@ def worker_main(
         named.update(model.named_buffers())
         while weights.version < 0:  # the trainer publishes right after starting the workers
             time.sleep(0.01)
-        merge = None
+        merge, base_digest = None, None
         if base is None:
             params = {name: named[name] for name in weights.tensors}  # KeyError names a mismatch early
         else:  # the frozen base once into the model, then per version the factors into a private copy, merged
             if base.pull_into({name: named[name] for name in base.tensors}, -1) is None:
                 raise RuntimeError("adapter-only LoRA sync: the frozen base weights were not published first")
+            if spec.verify_weights:  # the base as received, before any merge writes into the adapted weights
+                base_digest = weights_digest((name, named[name]) for name in base.tensors)
             params = {name: torch.empty_like(t) for name, t in weights.tensors.items()}
             targets = {m.weight: named[m.weight] for m in spec.lora_merges}
             frozen = base.tensors  # shared, only read: the unmerged base of every adapted weight
@@ -272,7 +274,7 @@ def worker_main(
                 if merge is not None:
                     merge()
                 state["version"] = new_version
-                digest = weights_digest(params.items()) if spec.verify_weights else None
+                digest = weights_digest(params.items(), base_digest) if spec.verify_weights else None
                 results.send(WeightsAdopted(spec.worker_id, new_version, digest))
 
         adopt()

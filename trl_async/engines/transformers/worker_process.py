@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from ...records import RolloutTask
-from ...sync.shared_memory import SharedMemoryWeights
+from ...sync.shared_memory import Digest, SharedMemoryWeights
 from .worker import WorkerSpec, worker_main
 
 STARTUP_GRACE_S = 120.0  # a starting worker imports torch and builds its model before its first heartbeat
@@ -177,6 +177,7 @@ class ProcessBackend:
         self.ctx = worker_context()
         self.weights = SharedMemoryWeights(weight_specs, self.ctx)
         self.base = SharedMemoryWeights(base_specs, self.ctx, copies=1) if base_specs is not None else None
+        self.base_digest: str | None = None
         self.max_outstanding = 2 * groups_per_call  # the chunk being generated and the next one
 
     def start_lane(self, index: int, restarts: int = 0) -> WorkerProcess:
@@ -189,14 +190,19 @@ class ProcessBackend:
         return self.base.spare_tensors if self.base is not None else None
 
     def publish_base(self, buckets, version: int) -> None:
-        """The frozen weights of adapter-only LoRA sync, once, before the first version of the adapters."""
-        self.base.publish(buckets, version)
+        """The frozen weights of adapter-only LoRA sync, once, before the first version of the adapters (with
+        ``rollout_verify_weights``, hashed: every version's digest then chains the base's)."""
+        digest = Digest() if self.specs and self.specs[0].verify_weights else None
+        self.base.publish(buckets, version, digest)
+        self.base_digest = digest.hexdigest() if digest is not None else None
 
     @property
     def publish_target(self):
         return self.weights.spare_tensors
 
     def publish(self, buckets, version: int, digest=None, ready=None) -> None:
+        if digest is not None and self.base is not None:  # what a worker generates with: the base and these
+            digest.update_text(self.base_digest)
         self.weights.publish(buckets, version, digest, ready)
 
     def close(self) -> None:
