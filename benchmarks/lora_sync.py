@@ -105,9 +105,9 @@ def real_model_runs(steps: int) -> dict:
     results = {}
     for mode in ("merged", "adapters"):
         work = tempfile.mkdtemp(prefix=f"lora_sync_{mode}_")
-        args = AsyncGRPOConfig(**TRAINING_SETTINGS, output_dir=work, max_steps=steps, logging_steps=1,
+        args = AsyncGRPOConfig(**{**TRAINING_SETTINGS, "learning_rate": 1e-4}, output_dir=work, max_steps=steps, logging_steps=1,
                                bf16=recipe_precision("cpu")[0], use_cpu=True, report_to=[], save_strategy="no",
-                               disable_tqdm=True, rollout_lora_sync=mode, learning_rate=1e-4)  # fmt: skip
+                               disable_tqdm=True, rollout_lora_sync=mode)  # fmt: skip
         trainer = AsyncGRPOTrainer(model=smollm2_135m_instruct(), reward_funcs=[correctness_reward, format_reward],
                                    args=args, train_dataset=make_split("train", 128, seed=0),
                                    peft_config=LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS))  # fmt: skip

@@ -302,8 +302,13 @@ def summarise(runs: list[dict], configs: list[str], reference: str = "sync") -> 
             values = [r[key] for r in rs if r.get(key) is not None]
             return statistics.fmean(values) if values else None
 
+        later = [st for r in rs for st in r["step_s"][1:] if st is not None]  # steady state: first step left out
         row = {
             "config": c, "seeds": len(rs),
+            "steady_step_s": statistics.fmean(later) if later else None,
+            "train_phase_s": statistics.fmean(st - (w or 0.0) for r in rs
+                                              for st, w in zip(r["step_s"][1:], r["trainer_wait_s"][1:], strict=True))
+            if all(len(r.get("trainer_wait_s", [])) == len(r["step_s"]) for r in rs) else None,
             "end_to_end_s": pick("end_to_end_s"), "startup_s": pick("startup_s"),
             "steps_per_min": statistics.fmean(len(r["step_s"]) / r["end_to_end_s"] * 60 for r in rs),
             "tokens_per_s": tps, "tokens_per_s_vs_sync": tps / sync_tps if sync_tps and tps else None,
@@ -318,6 +323,8 @@ def summarise(runs: list[dict], configs: list[str], reference: str = "sync") -> 
     sync_row = next((row for row in rows if row["config"] == reference), None)
     for row in rows:
         row["steps_per_min_vs_sync"] = row["steps_per_min"] / sync_row["steps_per_min"] if sync_row else None
+        row["steady_vs_sync"] = (sync_row["steady_step_s"] / row["steady_step_s"]
+                                 if sync_row and row["steady_step_s"] else None)  # fmt: skip
         if bound is not None:
             row["phases"] = bound
             vs = row["tokens_per_s_vs_sync"]
@@ -458,14 +465,14 @@ def main() -> None:
     report.write_json(cli.name, {**recorded, "meta": meta, "rows": rows, "runs": runs})
     ref = "sync" if cli.reference == "sync" else cli.reference
     header = ["config", "seeds", "end-to-end s", "start-up s", "steps/min", f"× {ref}", "tokens/s", f"× {ref}",
-              "of bound", "held-out acc", "± sd", f"s to {ref}'s", f"× {ref} time", "train-tmpl acc", "± sd",
+              "of bound", "steady s/step", f"× {ref} steady", "step − wait s", "held-out acc", "± sd", f"s to {ref}'s", f"× {ref} time", "train-tmpl acc", "± sd",
               f"× {ref} time", "staleness", "ESS", "KL(μ‖π_prox)", "trainer wait s", "publish s",
               "finished-row steps"]  # fmt: skip
     dash = lambda v: "-" if v is None else v  # noqa: E731
     held, seen = "accuracy", "accuracy_train_templates"
     table = report.markdown_table(header, [[
         r["config"], r["seeds"], r["end_to_end_s"], r["startup_s"], r["steps_per_min"], dash(r["steps_per_min_vs_sync"]),
-        dash(r["tokens_per_s"]), dash(r["tokens_per_s_vs_sync"]), dash(r.get("of_bound")), dash(r[held]["final"]), dash(r[held]["sd"]),
+        dash(r["tokens_per_s"]), dash(r["tokens_per_s_vs_sync"]), dash(r.get("of_bound")), dash(r["steady_step_s"]), dash(r["steady_vs_sync"]), dash(r["train_phase_s"]), dash(r[held]["final"]), dash(r[held]["sd"]),
         dash(r[held]["tta"]), dash(r[held]["tta_vs_sync"]), dash(r[seen]["final"]),
         dash(r[seen]["sd"]), dash(r[seen]["tta_vs_sync"]), dash(r["staleness_mean"]), dash(r["ess_mean"]),
         dash(r["kl_behaviour_mean"]), dash(r["trainer_wait_s"]), dash(r["weight_sync_s"]),

@@ -98,12 +98,14 @@ class VersionedTrainer(AsyncGRPOTrainer):
 @pytest.mark.parametrize("sync", ["adapters", "merged"])
 def test_workers_sample_from_the_trainers_adapted_model_of_each_version(tmp_path, tiny_model_dir, sync):
     """Every token's mu equals a teacher-forced forward of the trainer's peft model (adapters applied unmerged, as
-    it trains) with the adapters of the token's version; each version after the first carries only the adapters."""
+    it trains) with the adapters of the token's version; each version after the first carries only the adapters.
+    Weights are adopted between generate calls (the default): with in-flight adoption a completion's earlier tokens
+    stay in the KV cache from the older version, and no single-version forward reproduces it."""
     from peft import LoraConfig
 
     temperature = 0.7
     args = async_args(tmp_path, max_steps=4, temperature=temperature, learning_rate=5e-2, rollout_verify_weights=True,
-                      rollout_trajectory_file="traj.jsonl", rollout_weight_update="decode_step", rollout_lora_sync=sync)  # fmt: skip
+                      rollout_trajectory_file="traj.jsonl", rollout_lora_sync=sync)  # fmt: skip
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
     trainer = VersionedTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=text_dataset(),
                                peft_config=lora)  # fmt: skip

@@ -102,22 +102,38 @@ def merge_adapters(
     adapters: Mapping[str, torch.Tensor],
     out: Mapping[str, torch.Tensor],
 ) -> None:
-    """``out[m.weight] = base[m.weight] + sum(scale * (B @ A))`` for every merge, as peft's ``get_delta_weight``
-    computes it (bf16/fp16 factors on a CPU in float32, the delta cast to the factors' dtype, then to the base's),
-    cast into ``out``'s dtype. ``base`` is never written."""
+    """``out[m.weight] = base[m.weight] + sum(scale * (B @ A))`` for every merge, cast into ``out``'s dtype; ``base``
+    is never written. float32 factors and base: one fused ``addmm`` per adapter, written straight into ``out`` (one
+    pass over the weight, no model-sized temporaries). Otherwise as peft's ``get_delta_weight`` computes it
+    (bf16/fp16 factors on a CPU in float32, the delta cast to the factors' dtype, then to the base's)."""
     scales = adapters[SCALES].tolist()
+    scratch: dict[tuple, torch.Tensor] = {}  # one float32 buffer per shape, where ``out`` is of another dtype
     with torch.no_grad():
         for m in merges:
-            weight = base[m.weight].clone()
-            for a_name, b_name, index in m.factors:
-                a, b = adapters[a_name], adapters[b_name]
+            w0, target = base[m.weight], out[m.weight]
+            factors = [(adapters[a], adapters[b], scales[i]) for a, b, i in m.factors]
+            if all(a.dtype == b.dtype == w0.dtype == torch.float32 for a, b, _ in factors):
+                same = target.dtype == w0.dtype and target.device == w0.device
+                key = (tuple(w0.shape), w0.device)
+                dest = target if same else scratch.setdefault(key, torch.empty_like(w0))
+                for k, (a, b, scale) in enumerate(factors):
+                    lhs, rhs = (a.T, b.T) if m.fan_in_fan_out else (b, a)  # (B @ A).T = A.T @ B.T
+                    if k == 0:
+                        torch.addmm(w0, lhs, rhs, alpha=scale, out=dest)
+                    else:
+                        dest.addmm_(lhs, rhs, alpha=scale)
+                if not same:
+                    target.copy_(dest)
+                continue
+            weight = w0.clone()
+            for a, b, scale in factors:
                 to_fp32 = a.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16)
                 delta = b.float() @ a.float() if to_fp32 else b @ a
                 if m.fan_in_fan_out:
                     delta = delta.T
-                delta = (delta * scales[index]).to(b.dtype)
+                delta = (delta * scale).to(b.dtype)
                 weight += delta.to(weight.dtype)
-            out[m.weight].copy_(weight)
+            target.copy_(weight)
 
 
 def merged_weights(
