@@ -4,7 +4,8 @@ adapter-only sync to vLLM servers.)
 Starts the project's CPU vLLM server (tests/vllm_server.py: float32, eager) on SmolLM2-135M-Instruct with
 ``--enable-lora``, loads a peft adapter (rank 16 on the attention and MLP projections, random factors) from a
 directory through ``/v1/load_lora_adapter``, samples completions with it and with the base model, and compares each
-sampled token's log-prob (temperature 1, so the processed log-probs are the model's) with a teacher-forced forward of
+sampled token's log-prob (temperature 1, so the processed log-probs are the model's; runtime adapter loading needs
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` in the server's environment) with a teacher-forced forward of
 peft's own model with that adapter, and of the base model.
 
     python benchmarks/vllm_lora_probe.py      # ~2 min on 2 cores
@@ -61,7 +62,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="vllm_lora_"))
     peft_model.save_pretrained(work / "adapter")
     server = start_server(model_dir, work / "server.log",
-                          extra_flags=["--enable-lora", "--max-lora-rank", str(RANK), "--max-loras", "3"])  # fmt: skip
+                          extra_flags=["--enable-lora", "--max-lora-rank", str(RANK), "--max-loras", "3"],
+                          extra_env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})  # /v1/load_lora_adapter  # fmt: skip
     result: dict = {"rank": RANK, "targets": TARGETS}
     try:
         loaded = post(f"{server.url}/v1/load_lora_adapter", {"lora_name": "v1", "lora_path": str(work / "adapter")})
@@ -69,8 +71,8 @@ def main() -> None:
         for served, reference in (("v1", peft_model), (model_dir, None)):
             errors, tokens, effect = [], 0, []
             for prompt in PROMPTS:
-                ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-                ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+                ids = list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                         tokenize=True, return_dict=True)["input_ids"])  # fmt: skip
                 out = post(f"{server.url}/v1/completions", {"model": served, "prompt": ids, "max_tokens": 24,
                                                             "temperature": 1.0, "seed": 1, "logprobs": 0,
                                                             "return_token_ids": True})  # fmt: skip
