@@ -303,12 +303,13 @@ def summarise(runs: list[dict], configs: list[str], reference: str = "sync") -> 
             return statistics.fmean(values) if values else None
 
         later = [st for r in rs for st in r["step_s"][1:] if st is not None]  # steady state: first step left out
+        # the training phase per step (step - the trainer's wait for data); only where waits were recorded (async)
+        phases = [st - w for r in rs for st, w in zip(r["step_s"][1:], r.get("trainer_wait_s", [])[1:], strict=False)
+                  if st is not None and w is not None]  # fmt: skip
         row = {
             "config": c, "seeds": len(rs),
             "steady_step_s": statistics.fmean(later) if later else None,
-            "train_phase_s": statistics.fmean(st - (w or 0.0) for r in rs
-                                              for st, w in zip(r["step_s"][1:], r["trainer_wait_s"][1:], strict=True))
-            if all(len(r.get("trainer_wait_s", [])) == len(r["step_s"]) for r in rs) else None,
+            "train_phase_s": statistics.fmean(phases) if phases else None,
             "end_to_end_s": pick("end_to_end_s"), "startup_s": pick("startup_s"),
             "steps_per_min": statistics.fmean(len(r["step_s"]) / r["end_to_end_s"] * 60 for r in rs),
             "tokens_per_s": tps, "tokens_per_s_vs_sync": tps / sync_tps if sync_tps and tps else None,
@@ -324,7 +325,7 @@ def summarise(runs: list[dict], configs: list[str], reference: str = "sync") -> 
     for row in rows:
         row["steps_per_min_vs_sync"] = row["steps_per_min"] / sync_row["steps_per_min"] if sync_row else None
         row["steady_vs_sync"] = (sync_row["steady_step_s"] / row["steady_step_s"]
-                                 if sync_row and row["steady_step_s"] else None)  # fmt: skip
+                                 if sync_row and sync_row["steady_step_s"] and row["steady_step_s"] else None)  # fmt: skip
         if bound is not None:
             row["phases"] = bound
             vs = row["tokens_per_s_vs_sync"]
@@ -465,7 +466,7 @@ def main() -> None:
     report.write_json(cli.name, {**recorded, "meta": meta, "rows": rows, "runs": runs})
     ref = "sync" if cli.reference == "sync" else cli.reference
     header = ["config", "seeds", "end-to-end s", "start-up s", "steps/min", f"× {ref}", "tokens/s", f"× {ref}",
-              "of bound", "steady s/step", f"× {ref} steady", "step − wait s", "held-out acc", "± sd", f"s to {ref}'s", f"× {ref} time", "train-tmpl acc", "± sd",
+              "of bound", "steady s/step", f"{ref} steady ÷ this", "step − wait s", "held-out acc", "± sd", f"s to {ref}'s", f"× {ref} time", "train-tmpl acc", "± sd",
               f"× {ref} time", "staleness", "ESS", "KL(μ‖π_prox)", "trainer wait s", "publish s",
               "finished-row steps"]  # fmt: skip
     dash = lambda v: "-" if v is None else v  # noqa: E731

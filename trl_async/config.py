@@ -284,7 +284,7 @@ class AsyncFields:
             "frozen base once, then only the adapter factors of each version, which the workers merge themselves "
             "(tens of MB instead of the whole model). 'merged': the merged full weights every time. 'adapters' "
             "falls back to 'merged', saying why once, for LoRA on embeddings, trainable parameters outside the adapters "
-            "(modules_to_save, bias='all'), and vLLM servers.",
+            "(modules_to_save, bias='all' or 'lora_only'), and vLLM servers.",
             "choices": ["adapters", "merged"],
         },
     )
