@@ -18,6 +18,7 @@ Writes benchmarks/results/lora_sync.{json,png} and the table in benchmarks/READM
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -71,7 +72,7 @@ def transport(name: str, base_model) -> dict:
             targets = {m.weight: named[m.weight] for m in merges}
         for i in range(REPEATS):
             start = time.perf_counter()
-            shared.publish(iter_policy_buckets(model, _no_gather, 8 * 2**20, out=shared.spare_tensors, part=part), i)
+            shared.publish(iter_policy_buckets(model, lambda params: contextlib.nullcontext(), 8 * 2**20, out=shared.spare_tensors, part=part), i)
             publish.append(time.perf_counter() - start)
             start = time.perf_counter()
             if part == "full":
@@ -85,12 +86,6 @@ def transport(name: str, base_model) -> dict:
         del shared
     row["bytes_ratio"] = row["full"]["bytes"] / row["adapters"]["bytes"]
     return row
-
-
-def _no_gather(params):
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def real_model_runs(steps: int) -> dict:
