@@ -82,6 +82,11 @@ CONFIGS: dict[str, dict] = {
                         overrides=dict(rollout_backend="vllm", rollout_cpu_affinity="1", max_staleness=1)),  # fmt: skip
     # what a user without a generation device has: TRL's GRPOTrainer alone on the training core
     "ded_grpo_1core": dict(kind="sync", threads=1, env={}, cores=[0]),
+    # dynamic sampling (issue 23): groups whose rewards are all equal are dropped before they take a batch slot and
+    # new prompts are generated in their place; GRPOTrainer has no such option
+    "async_ds": dict(kind="async", threads=2, env=PASSIVE, overrides=dict(dynamic_sampling=True)),
+    "ded_async_s1_ds": dict(kind="async", threads=1, env={},
+                            overrides=dict(rollout_cpu_affinity="1", max_staleness=1, dynamic_sampling=True)),  # fmt: skip
 }
 # how each kind of vLLM server runs: (cores, niceness, OpenMP threads)
 VLLM_SERVERS = {"shared": (None, 19, 2), "dedicated": ([1], 0, 1)}
@@ -95,6 +100,10 @@ TASK = dict(  # the CPU demo's settings
     use_cpu=True,
     disable_tqdm=True,
 )
+# --task: the demo, or a sparse reward where most groups carry no signal (issue 23: the correct answer only, no
+# format reward, temperature 1.0, lr 5e-6; on GRPOTrainer frac_reward_zero_std was 1 on 10 of 16 steps)
+TASKS = {"demo": dict(rewards=("correctness", "format"), train={}),
+         "sparse": dict(rewards=("correctness",), train=dict(temperature=1.0, learning_rate=5e-6))}  # fmt: skip
 # the same evaluation problems for every run: held-out templates (generalisation, the headline) and new problems of
 # the train templates (in distribution)
 HELDOUT = dict(n=64, seed=1000)
@@ -147,7 +156,7 @@ def run_one(spec: dict) -> dict:
                 evaluate(trainer, state.global_step)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))  # the same global batch (prompts per step) on every configuration
-    settings = {**TASK, **spec.get("train", {}), "output_dir": spec["output_dir"], "max_steps": spec["steps"],
+    settings = {**TASK, **TASKS[spec["task"]]["train"], **spec.get("train", {}), "output_dir": spec["output_dir"], "max_steps": spec["steps"],
                 "seed": spec["seed"], "per_device_train_batch_size": TASK["per_device_train_batch_size"] // world}  # fmt: skip
     if spec["kind"] == "sync":
         args, cls = GRPOConfig(**settings), GRPOTrainer
@@ -157,7 +166,8 @@ def run_one(spec: dict) -> dict:
         args, cls = AsyncGRPOConfig(**settings, **overrides), AsyncGRPOTrainer
     trainer = cls(
         model=smollm2_135m_instruct(),
-        reward_funcs=[correctness_reward, format_reward],
+        reward_funcs=[{"correctness": correctness_reward, "format": format_reward}[r]
+                      for r in TASKS[spec["task"]]["rewards"]],
         args=args,
         train_dataset=make_split("train", 512, seed=spec["seed"]),
         callbacks=[EvalEvery()],
@@ -197,13 +207,18 @@ def run_one(spec: dict) -> dict:
             1 - h["completions/mean_length"] / h["completions/max_length"] for h in logs
         ),
         "dropped_stale": logs[-1].get("async/dropped_stale") if logs else None,
+        # steps whose every group had rewards all equal (no gradient), and the groups dynamic sampling dropped
+        "zero_signal_steps": sum(h.get("frac_reward_zero_std", 0.0) >= 1.0 for h in logs),
+        "filtered_groups": logs[-1].get("async/filtered_groups") if logs else None,
+        "filtered_frac": [h.get("async/filtered_frac") for h in logs],
     }
 
 
-def launch(name: str, seed: int, steps: int, eval_every: int, work: str, servers: dict, completion_length=None) -> dict:
+def launch(name: str, seed: int, steps: int, eval_every: int, work: str, servers: dict, completion_length=None,
+           task: str = "demo") -> dict:
     config = CONFIGS[name]
     out = Path(work) / f"{name}-{seed}.json"
-    spec = {**config, "seed": seed, "steps": steps, "eval_every": eval_every,
+    spec = {**config, "seed": seed, "steps": steps, "eval_every": eval_every, "task": task,
             "output_dir": str(Path(work) / f"out-{name}-{seed}"), "launched_at": time.time()}  # fmt: skip
     if completion_length:
         spec["train"] = {**spec.get("train", {}), "max_completion_length": completion_length}
@@ -278,11 +293,22 @@ def phase_bound(rs: list[dict]) -> dict | None:
     return {"G_s": g, "T_s": t, "bound": (g + t) / max(g, t)}
 
 
+def filtered_share(run: dict, prompts_per_step: int) -> float | None:
+    """Of the groups a run scored and either trained or dropped, the share dynamic sampling dropped."""
+    if run.get("filtered_groups") is None:
+        return None
+    trained = len(run["step_s"]) * prompts_per_step
+    return run["filtered_groups"] / (run["filtered_groups"] + trained)
+
+
 def summarise(runs: list[dict], configs: list[str], reference: str = "sync") -> tuple[list[dict], dict]:
     """Rows per configuration; the ``reference`` configuration's final accuracy is every row's target, and ratios
     (``× sync``) are against it. With the dedicated-device reference (ded_sync) each row also gets the bound from
     its phases and the fraction of it reached."""
     by = {c: [r for r in runs if r["config"] == c] for c in configs}
+    prompts_per_step = TASK["per_device_train_batch_size"] // TASK["num_generations"]
+    for r in runs:
+        r["filtered_share"] = filtered_share(r, prompts_per_step)
     sync_runs = by.get(reference, [])
     bound = phase_bound(sync_runs) if reference == "ded_sync" else None
     targets = {key: accuracy_stats(sync_runs, key, None)["final"] for key in METRICS}  # sync's final accuracy
@@ -317,6 +343,9 @@ def summarise(runs: list[dict], configs: list[str], reference: str = "sync") -> 
             "staleness_mean": pick("staleness_mean"), "ess_mean": pick("ess_mean"),
             "kl_behaviour_mean": pick("kl_behaviour_mean"), "trainer_wait_s": pick("trainer_wait_s_mean"),
             "weight_sync_s": pick("weight_sync_s_mean"), "finished_row_steps": pick("finished_row_steps"),
+            "zero_signal_steps": pick("zero_signal_steps"),
+            # of the groups scored, the share dropped (trained groups: the prompts of every step)
+            "filtered_share": pick("filtered_share"),
         }  # fmt: skip
         for key in METRICS:
             row[key] = accuracy_stats(rs, key, targets[key])
@@ -397,7 +426,8 @@ def collect(cli) -> list[dict]:
                 servers[kind] = start_vllm_server(model_dir, *VLLM_SERVERS[kind])
             for seed in cli.seeds:  # interleaved
                 for name in cli.configs:
-                    runs.append(launch(name, seed, cli.steps, cli.eval_every, work, servers, cli.max_completion_length))
+                    runs.append(launch(name, seed, cli.steps, cli.eval_every, work, servers, cli.max_completion_length,
+                                       cli.task))
                     run = runs[-1]
                     print(f"{name} seed {seed}: {run['end_to_end_s']:.0f} s, {run['completion_tokens']:.0f} tokens, "
                           f"final {run['curve'][-1]['accuracy'] if run['curve'] else '-'}", flush=True)  # fmt: skip
@@ -436,6 +466,8 @@ def main() -> None:
     parser.add_argument("--reference", default="sync",
                         help="the configuration whose final accuracy is the target and whose rates are 1.0 "
                         "(ded_sync for the dedicated-device runs: then the bound from its phases is reported)")
+    parser.add_argument("--task", choices=sorted(TASKS), default="demo",
+                        help="sparse: the correct answer only, temperature 1.0, lr 5e-6 (most groups without signal)")
     parser.add_argument("--from_json", help="recompute the table and plot from a results JSON (no runs)")
     parser.add_argument("--run", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -457,9 +489,11 @@ def main() -> None:
     if cli.from_json:
         cli.reference = saved["meta"].get("reference", "sync")
         cli.max_completion_length = saved["meta"].get("max_completion_length")
+        cli.task = saved["meta"].get("task_name", "demo")
     rows, targets = summarise(runs, cli.configs, cli.reference)
     precision = saved["meta"].get("precision", "?") if cli.from_json else described_precision(TASK["bf16"] is None, False)
-    meta = {"precision": precision, "reference": cli.reference, "phases": rows[0].get("phases"),
+    meta = {"precision": precision, "reference": cli.reference, "task_name": cli.task,
+            "task_overrides": TASKS[cli.task], "phases": rows[0].get("phases"),
             "max_completion_length": cli.max_completion_length or TASK["max_completion_length"], "steps": cli.steps, "eval_every": cli.eval_every, "seeds": cli.seeds, "task": TASK, "heldout": HELDOUT,
             "in_distribution": IN_DISTRIBUTION, "sync_final_accuracy": targets}  # fmt: skip
     recorded = {"machine": saved["machine"]} if cli.from_json and "machine" in saved else {}  # where it ran
@@ -468,7 +502,7 @@ def main() -> None:
     header = ["config", "seeds", "end-to-end s", "start-up s", "steps/min", f"× {ref}", "tokens/s", f"× {ref}",
               "of bound", "steady s/step", f"{ref} steady ÷ this", "step − wait s", "held-out acc", "± sd", f"s to {ref}'s", f"× {ref} time", "train-tmpl acc", "± sd",
               f"× {ref} time", "staleness", "ESS", "KL(μ‖π_prox)", "trainer wait s", "publish s",
-              "finished-row steps"]  # fmt: skip
+              "finished-row steps", "zero-signal steps", "filtered share"]  # fmt: skip
     dash = lambda v: "-" if v is None else v  # noqa: E731
     held, seen = "accuracy", "accuracy_train_templates"
     table = report.markdown_table(header, [[
@@ -477,7 +511,7 @@ def main() -> None:
         dash(r[held]["tta"]), dash(r[held]["tta_vs_sync"]), dash(r[seen]["final"]),
         dash(r[seen]["sd"]), dash(r[seen]["tta_vs_sync"]), dash(r["staleness_mean"]), dash(r["ess_mean"]),
         dash(r["kl_behaviour_mean"]), dash(r["trainer_wait_s"]), dash(r["weight_sync_s"]),
-        dash(r["finished_row_steps"])]
+        dash(r["finished_row_steps"]), dash(r["zero_signal_steps"]), dash(r["filtered_share"])]
         for r in rows])  # fmt: skip
     print(table)
     if cli.eval_every:
@@ -488,7 +522,8 @@ def main() -> None:
     bound_note = (f" {ref}'s phases per step (first step left out): generation wait G = {phases['G_s']:.1f} s, "
                   f"training and sync T = {phases['T_s']:.1f} s, so overlap can gain at most (G+T)/max(G,T) = "
                   f"{phases['bound']:.2f}×; 'of bound' is tokens/s × {ref} over that." if phases else "")  # fmt: skip
-    header_note = (f"2 cores; configurations without a precision in their name in {precision}; "
+    task_note = "" if cli.task == "demo" else f"Task {cli.task!r}: {TASKS[cli.task]}. "
+    header_note = (f"{task_note}2 cores; configurations without a precision in their name in {precision}; "
                    f"{meta['max_completion_length']} completion tokens at most.{bound_note} "
                    f"{cli.steps} steps, seeds {cli.seeds}, greedy accuracy every {cli.eval_every} steps on "
                    f"{HELDOUT['n']} held-out-template and {IN_DISTRIBUTION['n']} train-template problems; the "

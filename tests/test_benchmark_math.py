@@ -1,5 +1,6 @@
 """The arithmetic of the time-to-accuracy benchmark (benchmarks/time_to_accuracy.py) against values worked out by hand:
-the dedicated-device bound from the synchronous schedule's phases, and when a curve reaches its target."""
+the dedicated-device bound from the synchronous schedule's phases, when a curve reaches its target, and the share of
+groups dynamic sampling dropped."""
 
 import sys
 from pathlib import Path
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from time_to_accuracy import phase_bound, time_to  # noqa: E402
+from time_to_accuracy import filtered_share, phase_bound, time_to  # noqa: E402
 
 pytestmark = pytest.mark.unit  # pure functions
 
@@ -35,3 +36,10 @@ def test_time_to_a_target_interpolates_between_evaluations_and_not_from_step_zer
     assert time_to(curve, 0.25) == pytest.approx(100.0)  # first reached by training at step 4, not before it
     assert time_to(curve, 0.5) == pytest.approx(200.0)
     assert time_to(curve, 0.6) is None
+
+
+def test_the_filtered_share_counts_every_trained_group_against_the_dropped_ones():
+    # 12 steps of 2 prompts trained 24 groups; 8 more were dropped: 8 of 32 scored
+    assert filtered_share({"filtered_groups": 8, "step_s": [1.0] * 12}, prompts_per_step=2) == 0.25
+    assert filtered_share({"filtered_groups": 0, "step_s": [1.0] * 12}, prompts_per_step=2) == 0.0
+    assert filtered_share({"filtered_groups": None, "step_s": [1.0] * 12}, prompts_per_step=2) is None  # option off
