@@ -188,7 +188,8 @@ def _overlap(intervals, lo: float, hi: float) -> float:
 
 
 def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, seed: int = 0,
-            threads: int = 1, staleness: int = 0, task=None, scoring_threads: int = 1, processes: int = 1) -> dict:  # fmt: skip
+            threads: int = 1, staleness: int = 0, task=None, scoring_threads: int = 1, processes: int = 1,
+            consumption_window: int | None = None) -> dict:  # fmt: skip
     """One training run; ``kind`` is "sync" (TRL GRPOTrainer with ``threads`` torch threads) or "async".
 
     ``processes`` > 1 (sync only): this is one rank of a DDP run launched by ``launch_ddp``; each rank takes
@@ -221,7 +222,8 @@ def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, 
     else:
         args = AsyncGRPOConfig(**common, max_staleness=staleness, num_rollout_workers=regime.workers,
                                rollout_batch_groups=regime.batch_groups,
-                               rollout_scoring_threads=scoring_threads)  # fmt: skip
+                               rollout_scoring_threads=scoring_threads,
+                               rollout_consumption_window=consumption_window)  # fmt: skip
         trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=data,
                                    callbacks=[clock], **extra)  # fmt: skip
     started = time.time()
@@ -235,6 +237,7 @@ def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, 
     row = {
         "regime": regime.name, "kind": kind if processes == 1 else "ddp", "threads": threads,
         "staleness": staleness if kind == "async" else None, "scoring_threads": scoring_threads if kind == "async" else 1,
+        "consumption_window": consumption_window if kind == "async" else None,  # None: arrival order
         "processes": processes,
         "workers": regime.workers if kind == "async" else 0, "steps": steps, "seed": seed, "wall_s": wall,
         "samples_per_s": steps * batch / wall, "tokens_per_s": tokens / wall, "tokens": tokens,
@@ -244,6 +247,7 @@ def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, 
         "tool_calls_per_step": len(tool_spans) / (warmup + steps),  # made (by any episode, trained on or not)
         # calls per trained episode: the mix of the batches (async takes episodes as they end: short ones first)
         "trained_calls_per_episode": statistics.fmean(h.get("tools/call_frequency", 0.0) for h in window),
+        "trained_mean_length": statistics.fmean(h["completions/mean_length"] for h in window),
         "rewards": [(t - started, r) for t, r in clock.rewards],
     }  # fmt: skip
     if kind == "sync":
@@ -292,6 +296,8 @@ def configs(regime: Regime, quick: bool) -> list[dict]:
     if regime.agentic:  # episodes wait seconds for their tool: room for several steps of staleness
         stalenesses = [2, 4, 8]
     out += [dict(kind="async", staleness=s) for s in stalenesses]
+    if regime.agentic:  # consumption in admission order (issue 24): strict, and within one batch (4 groups)
+        out += [dict(kind="async", staleness=s, consumption_window=w) for s, w in ((2, 1), (8, 1), (8, 4))]
     return out + [dict(kind="async", staleness=1, scoring_threads=n) for n in regime.scoring_threads]
 
 
@@ -314,7 +320,8 @@ def label(r: dict) -> str:
         return "sync DDP 2×1 thr"
     if r["kind"] == "sync":
         return f"sync {r['threads']} thr"
-    return f"async η={r['staleness']}" + (f", {r['scoring_threads']} scorers" if r["scoring_threads"] > 1 else "")
+    window = f", window {r['consumption_window']}" if r.get("consumption_window") else ""
+    return f"async η={r['staleness']}{window}" + (f", {r['scoring_threads']} scorers" if r["scoring_threads"] > 1 else "")
 
 
 def summarise(rows: list[dict]) -> list[dict]:
@@ -587,6 +594,7 @@ def agentic_report(rows: list[dict], steps: int, warmup: int, started: float) ->
                 "steps_vs_best_sync": steps / mean(n, "wall_s") / best_steps,
                 "tool_calls_per_step": mean(n, "tool_calls_per_step"),
                 "trained_calls_per_episode": mean(n, "trained_calls_per_episode"),
+                "trained_mean_length": statistics.fmean(r.get("trained_mean_length", float("nan")) for r in by[n]),
                 "dropped_per_step": statistics.fmean(r.get("dropped_groups", 0) / (steps + warmup) for r in by[n]),
                 "tool_sleep_share": mean(n, "tool_sleep_s") / mean(n, "wall_s"),
                 "trainer_busy": mean(n, "trainer_busy"), "startup_s": mean(n, "startup_s"),
@@ -606,12 +614,13 @@ def agentic_report(rows: list[dict], steps: int, warmup: int, started: float) ->
     fig.savefig(report.png_path("agentic"), dpi=110)
     table = report.markdown_table(
         ["trainer", "seeds", "wall s", "steps/s", "tokens/s", "± sd", "tokens/s vs best sync", "steps/s vs best sync",
-         "tool calls / step", "calls per trained episode", "tool sleep ÷ wall", "dropped groups / step",
+         "tool calls / step", "calls per trained episode", "trained mean length", "tool sleep ÷ wall",
+         "dropped groups / step",
          "trainer busy", "start-up s",
          "end to end s"],
         [[r["config"], r["seeds"], r["wall_s"], r["steps_per_s"], r["tokens_per_s"], r["tokens_per_s_sd"],
           r["tokens_vs_best_sync"], r["steps_vs_best_sync"], r["tool_calls_per_step"],
-          r["trained_calls_per_episode"], r["tool_sleep_share"],
+          r["trained_calls_per_episode"], r["trained_mean_length"], r["tool_sleep_share"],
           r["dropped_per_step"], r["trainer_busy"], r["startup_s"], r["end_to_end_s"]] for r in summary],
     )  # fmt: skip
     report.update_readme(
@@ -621,7 +630,10 @@ def agentic_report(rows: list[dict], steps: int, warmup: int, started: float) ->
         f"interleaved, mean; {(time.time() - started) / 60:.0f} min in all. TRL's GRPOTrainer runs the same tool in "
         "its own loop (one call after another); AsyncGRPOTrainer runs episodes as they come (rollout_tool_threads "
         "16). 'tool sleep ÷ wall': the tool's latency summed over the measured steps, over the wall time (above 1: "
-        "calls overlapped).\n\n"
+        "calls overlapped). 'window k': rollout_consumption_window=k, the trainer takes only groups admitted within k "
+        "of the oldest one not yet trained (1: strict admission order); without it, groups train as they finish. "
+        "The sync rows train every episode they generate: their calls per trained episode and mean length are the "
+        "prompts' true mix.\n\n"
         f"{table}\n\n![agentic](results/agentic.png)",
     )
     print(table)

@@ -33,6 +33,9 @@ BASE = dict(output_dir="/tmp/trl_async_cfg", report_to=[], bf16=False, use_cpu=T
         ("rollout_scoring_threads", 0, "1 or more"),
         ("dynamic_sampling", "yes", "True or False"),
         ("dynamic_sampling_limit", 0, "generation batches >= 1, or None"),
+        ("rollout_consumption_window", 0, "whole number of groups >= 1"),
+        ("rollout_vllm_down_limit_s", 0, "positive number of seconds, or None"),
+        ("rollout_vllm_adapter_dir", 3, "directory path the vLLM servers can read"),
     ],
 )
 def test_bad_value_names_the_field_and_the_fix(field, value, fix):

@@ -11,7 +11,15 @@ import torch
 
 from tests.conftest import async_args, text_dataset
 from trl_async import AsyncGRPOTrainer
-from trl_async.sync.adapters import SCALES, adapter_sync_blocker, adapter_tensors, merged_weights
+from trl_async.sync.adapters import (
+    SCALES,
+    LoraMerge,
+    adapter_sync_blocker,
+    adapter_tensors,
+    merged_weights,
+    served_adapter,
+    served_rank,
+)
 from trl_async.sync.policy import policy_specs, policy_units
 from trl_async.tiny import build_char_tokenizer, build_tiny_model
 
@@ -55,6 +63,47 @@ def test_the_frozen_base_and_the_adapters_merge_into_peft_own_merge(lora):
     for fault in (wrong_scale, stale):
         faulty = merged_weights(merges, base, fault)
         assert not torch.allclose(faulty[merges[0].weight], reference[merges[0].weight], atol=1e-4)
+
+
+@pytest.mark.unit
+def test_the_served_adapter_stacks_the_scaled_factors_and_pads_lower_ranks_with_zeros():
+    """Worked by hand: layer x has two adapters (ranks 2 and 1, scales 0.5 and 2), layer y one of rank 1 (scale 3).
+    The served adapter has rank 3 and scale 1: B @ A is each layer's sum of scale * (B_i @ A_i)."""
+    merges = (LoraMerge("x.weight", (("xa1", "xb1", 0), ("xa2", "xb2", 1)), False),
+              LoraMerge("y.weight", (("ya", "yb", 2),), False))  # fmt: skip
+    adapters = {
+        "xa1": torch.tensor([[1.0, 0.0], [0.0, 1.0]]), "xb1": torch.tensor([[2.0, 4.0]]),
+        "xa2": torch.tensor([[1.0, 1.0]]), "xb2": torch.tensor([[1.0]]),
+        "ya": torch.tensor([[1.0, 2.0]]), "yb": torch.tensor([[1.0], [-1.0]]),
+        SCALES: torch.tensor([0.5, 2.0, 3.0], dtype=torch.float64),
+    }  # fmt: skip
+    tensors, rank = served_adapter(merges, adapters)
+    assert rank == 3 == served_rank(merges, {k: (tuple(v.shape), v.dtype) for k, v in adapters.items()})
+    a, b = tensors["base_model.model.x.lora_A.weight"], tensors["base_model.model.x.lora_B.weight"]
+    assert a.tolist() == [[1, 0], [0, 1], [1, 1]] and b.tolist() == [[1, 2, 2]]  # B scaled: 0.5*[2, 4], 2*[1]
+    # 0.5 * [2, 4] @ I + 2 * [1] @ [1, 1] = [1, 2] + [2, 2]
+    assert (b @ a).tolist() == [[3.0, 4.0]]
+    a, b = tensors["base_model.model.y.lora_A.weight"], tensors["base_model.model.y.lora_B.weight"]
+    assert a.tolist() == [[1, 2], [0, 0], [0, 0]] and b.tolist() == [[3, 0, 0], [-3, 0, 0]]  # padded to rank 3
+    assert (b @ a).tolist() == [[3.0, 6.0], [-3.0, -6.0]]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("lora", [{}, {"use_rslora": True, "r": 8, "lora_alpha": 4}], ids=["alpha/r", "rslora"])
+def test_the_served_adapter_at_scale_one_is_peft_own_merge(lora):
+    """What a server computes with the served adapter (W_base + B @ A, lora_alpha == r) is peft's merged weight."""
+    model = peft_model(**lora)
+    base, adapters = published(model, "frozen"), published(model, "adapters")
+    tensors, _ = served_adapter(adapter_tensors(model)[2], adapters)
+    merged = dict(copy.deepcopy(model).merge_and_unload().named_parameters())
+    layers = {n.removeprefix("base_model.model.").removesuffix(".lora_A.weight") for n in tensors if "lora_A" in n}
+    assert len(layers) == 2 * len(TARGETS)
+    for layer in layers:
+        a, b = (tensors[f"base_model.model.{layer}.lora_{x}.weight"] for x in "AB")
+        torch.testing.assert_close(base[f"{layer}.weight"] + b @ a, merged[f"{layer}.weight"], rtol=0, atol=1e-6)
+        # planted fault: the scale left out of B (what a server applying alpha/r itself would need) is caught
+        unscaled = adapters[f"{layer}.lora_B.default.weight"] @ adapters[f"{layer}.lora_A.default.weight"]
+        assert (base[f"{layer}.weight"] + unscaled - merged[f"{layer}.weight"]).abs().max() > 1e-3
 
 
 @pytest.mark.unit

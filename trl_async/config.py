@@ -67,6 +67,24 @@ class AsyncFields:
             "already bounds it)."
         },
     )
+    rollout_vllm_adapter_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "With LoRA and vLLM servers (rollout_lora_sync='adapters'): where each version's adapter is "
+            "written for the servers to load. They must read it at the same path (a shared disk for servers on "
+            "other machines). Default: the temporary directory."
+        },
+    )
+    rollout_vllm_down_limit_s: float | None = field(
+        default=600.0,
+        metadata={
+            "help": "A vLLM server that stops answering is replaced by a lane that waits for it: what it held is "
+            "generated again on the other servers, training goes on with them, and when it answers again at the same "
+            "URL, serving the same model, it is re-synced with the current weights and takes work again. Training "
+            "stops once one server has been down this many seconds (None: never), or every server for "
+            "rollout_vllm_retry_s. Each loss counts toward rollout_max_restarts."
+        },
+    )
     rollout_vllm_retry_s: float = field(
         default=30.0,
         metadata={
@@ -244,6 +262,17 @@ class AsyncFields:
             "pi_theta/mu and w = 1. Faster, but the trust region then also has to absorb the staleness."
         },
     )
+    rollout_consumption_window: int | None = field(
+        default=None,
+        metadata={
+            "help": "Which ready groups the trainer may take. None: in the order they finish (a slow group never "
+            "delays the others, but long episodes grow stale while short ones overtake them, so they are dropped "
+            "and generated again, or never train: the trained mix leans toward what finishes fast). k: only groups "
+            "admitted within k of the oldest group not yet trained, so the oldest is overtaken by at most k - 1 "
+            "others (1: strict admission order, which admission control assumes; the trainer then waits for the "
+            "slowest group of each batch)."
+        },
+    )
     dynamic_sampling: bool = field(
         default=False,
         metadata={
@@ -280,11 +309,13 @@ class AsyncFields:
     rollout_lora_sync: str = field(
         default="adapters",
         metadata={
-            "help": "With a LoRA peft_config, what a weight sync sends the transformers workers. 'adapters': the "
-            "frozen base once, then only the adapter factors of each version, which the workers merge themselves "
-            "(tens of MB instead of the whole model). 'merged': the merged full weights every time. 'adapters' "
-            "falls back to 'merged', saying why once, for LoRA on embeddings, trainable parameters outside the adapters "
-            "(modules_to_save, bias='all' or 'lora_only'), and vLLM servers.",
+            "help": "With a LoRA peft_config, what a weight sync sends the rollout workers or vLLM servers. 'adapters': "
+            "the frozen base once, then only the adapter factors of each version (tens of MB instead of the whole "
+            "model): the transformers workers merge them themselves; each vLLM server loads each version as a named "
+            "adapter (files in rollout_vllm_adapter_dir; start it with --enable-lora --max-lora-rank R --max-loras "
+            "max_staleness+2). 'merged': the merged full weights every time. 'adapters' falls back to 'merged', "
+            "saying why once, for LoRA on embeddings, trainable parameters outside the adapters (modules_to_save, "
+            "bias='all' or 'lora_only'), and a vLLM server without LoRA or with a smaller --max-lora-rank.",
             "choices": ["adapters", "merged"],
         },
     )
@@ -349,6 +380,16 @@ class AsyncFields:
             "set it to 1 or more, or None for the default",
         )
         need(self.rollout_vllm_retry_s >= 0, "rollout_vllm_retry_s", "set 0 or more seconds")
+        need(
+            self.rollout_vllm_down_limit_s is None or self.rollout_vllm_down_limit_s > 0,
+            "rollout_vllm_down_limit_s",
+            "set a positive number of seconds, or None to wait for a lost server as long as others work",
+        )
+        need(
+            self.rollout_vllm_adapter_dir is None or isinstance(self.rollout_vllm_adapter_dir, str),
+            "rollout_vllm_adapter_dir",
+            "set a directory path the vLLM servers can read, or None for the temporary directory",
+        )
         if self.rollout_backend == "vllm":
             need(
                 not self.rollout_verify_weights,
@@ -408,6 +449,12 @@ class AsyncFields:
             "set it to 1 or more, or None for the cores available divided among the workers",
         )
         need(isinstance(self.dynamic_sampling, bool), "dynamic_sampling", "set True or False")
+        need(
+            self.rollout_consumption_window is None
+            or (isinstance(self.rollout_consumption_window, int) and self.rollout_consumption_window >= 1),
+            "rollout_consumption_window",
+            "set None (arrival order) or a whole number of groups >= 1 (1: strict admission order)",
+        )
         need(
             self.dynamic_sampling_limit is None
             or (isinstance(self.dynamic_sampling_limit, int) and self.dynamic_sampling_limit >= 1),

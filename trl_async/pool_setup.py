@@ -46,6 +46,7 @@ def start_pool(trainer, progress: dict | None = None) -> RolloutPool:
         max_restarts=a.rollout_max_restarts,
         heartbeat_timeout_s=a.rollout_heartbeat_timeout_s,
         scoring_threads=a.rollout_scoring_threads,
+        consumption_window=a.rollout_consumption_window,
     )
     episodes = None
     if trainer.tools or trainer.environment_factories:
@@ -155,7 +156,7 @@ def vllm_transport(trainer) -> str:
 
 
 def vllm_backend(trainer, model):
-    from .engines.vllm.backend import VLLMBackend, VLLMLaneSpec
+    from .engines.vllm.backend import AdapterPlan, VLLMBackend, VLLMLaneSpec
 
     args, a = trainer.args, trainer.async_args
     sampling = {
@@ -192,7 +193,13 @@ def vllm_backend(trainer, model):
         bucket_bytes=int(a.weight_sync_bucket_mb * 2**20),
         pause_mode="keep" if a.resolved_weight_update == "decode_step" else "wait",
         startup_timeout_s=args.vllm_server_timeout,
-    )
+        adapters=AdapterPlan(  # LoRA: the base once, then each version as a named adapter
+            base_specs=policy_specs(model, persistent_only=True, part="frozen"),
+            adapter_specs=policy_specs(model, part="adapters"), merges=adapter_tensors(model)[2],
+            directory=a.rollout_vllm_adapter_dir, keep=a.max_staleness + 2,
+        ) if trainer._adapter_sync else None,
+        down_limit_s=a.rollout_vllm_down_limit_s,
+    )  # fmt: skip
 
 
 def make_tokenize_row(trainer):

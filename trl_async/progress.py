@@ -86,6 +86,8 @@ def batch_metrics(stats, groups, max_staleness: int, worker_restarts: int, aband
         "async/reward_nan": sum(int(g.rewards.isnan().sum()) for g in groups),
         "async/worker_restarts": worker_restarts,
     })  # fmt: skip
+    if stats.lanes_healthy is not None:  # workers alive, vLLM servers attached (not down, not yet re-attached)
+        out["async/lanes_healthy"] = stats.lanes_healthy
     if stats.filtered_groups_total is not None:  # dynamic_sampling: groups dropped for having no signal
         out["async/filtered_groups"] = stats.filtered_groups_total
         # of the groups scored since the previous batch was taken, the fraction filtered

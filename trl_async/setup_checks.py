@@ -188,13 +188,43 @@ def adapter_only_sync(trainer) -> bool:
     policy_units(model)  # refuses here, at construction, what neither way can send (DoRA, lora_bias, merged layers)
     if trainer.async_args.rollout_lora_sync == "merged":
         return False
-    if trainer.async_args.rollout_backend == "vllm":
-        reason = "adapter-only sync to vLLM servers is not built yet"
-    else:
-        reason = adapter_sync_blocker(model)
+    reason = adapter_sync_blocker(model)
     if reason is not None and trainer.accelerator.is_main_process:
-        logger.warning(
-            f"rollout_lora_sync='adapters': every weight sync sends the merged full weights instead, because {reason}."
-            " Set rollout_lora_sync='merged' to silence this."
-        )
+        _say_merged_instead(reason)
     return reason is None
+
+
+def _say_merged_instead(reason: str) -> None:
+    logger.warning(
+        f"rollout_lora_sync='adapters': every weight sync sends the merged full weights instead, because {reason}."
+        " Set rollout_lora_sync='merged' to silence this."
+    )
+
+
+def agreed_adapter_sync(trainer) -> bool:
+    """Once the pool has started: whether adapter-only sync stands. A vLLM server without LoRA, or with a smaller
+    ``--max-lora-rank``, is found only then (the backend says why, logged here); every rank takes the main process's
+    answer, since all of them stream the same part of the model."""
+    agreed = trainer._adapter_sync
+    blocker = getattr(trainer._pool.backend, "adapter_blocker", None) if trainer._pool is not None else None
+    if agreed and blocker is not None:
+        _say_merged_instead(blocker)
+        agreed = False
+    return main_process_says(trainer, agreed) if trainer._adapter_sync else False
+
+
+def base_needed_again(trainer) -> bool:
+    """Adapter-only sync to vLLM: whether a server that came back must get the frozen base with this publish (every
+    rank streams it, so every rank takes the main process's answer)."""
+    if not trainer._adapter_sync or trainer.async_args.rollout_backend != "vllm":
+        return False
+    return main_process_says(trainer, trainer._pool is not None and trainer._pool.backend.needs_base)
+
+
+def main_process_says(trainer, flag: bool) -> bool:
+    """``flag`` as the main process has it, on every rank."""
+    if trainer.accelerator.num_processes == 1:
+        return flag
+    box = [flag]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]

@@ -36,7 +36,14 @@ from .rollout.pool import RolloutPool
 from .rollout.scored import ScoredGroup
 from .rollout.scoring import RewardScorer, unsharded_reward_models
 from .rollout.tool_calls import ToolRunner
-from .setup_checks import adapter_only_sync, check_after_loading, pool_geometry, refuse_before_loading
+from .setup_checks import (
+    adapter_only_sync,
+    agreed_adapter_sync,
+    base_needed_again,
+    check_after_loading,
+    pool_geometry,
+    refuse_before_loading,
+)
 from .sync.policy import iter_policy_buckets
 from .trajectories import append_jsonl, trajectory_records
 
@@ -199,6 +206,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             if self._core_split is not None:  # after the workers' forkserver started (it keeps the mask it had)
                 self._pinned = PinnedTrainer(self._core_split.trainer)
         self._pool_started = True
+        self._adapter_sync = agreed_adapter_sync(self)  # a vLLM server may not serve adapters (it says why)
         self._base_pending = self._adapter_sync  # new workers: the frozen base goes with this first version
         self._publish_weights(self.state.global_step)
 
@@ -245,6 +253,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             )
 
         base_s = 0.0
+        self._base_pending = self._base_pending or base_needed_again(self)  # a vLLM server came back (reattach.py)
         if self._base_pending:
             self._base_pending = False
             start = time.perf_counter()

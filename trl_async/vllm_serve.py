@@ -7,7 +7,10 @@ It is ``vllm serve`` (vLLM's OpenAI-compatible API server) with: ``VLLM_SERVER_D
 weight-transfer endpoints), ``--enable-scale-out`` (token-in/token-out ``/inference/v1/generate``, which returns
 each token's weight version), ``--logprobs-mode processed_logprobs`` (log-probs of the distribution actually sampled
 from) and ``--weight-transfer-config`` with ``nccl`` (GPU) or ``trl_async_gloo`` (CPU; needs trl_async installed in
-the server's environment, ``pip install --no-deps trl_async``). Arguments after ``--`` go to vLLM unchanged.
+the server's environment, ``pip install --no-deps trl_async``). ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` lets the
+trainer load each version's LoRA adapter (adapter-only sync: add ``-- --enable-lora --max-lora-rank R --max-loras
+N``, with R at least the adapters' rank and N = max_staleness + 2, so that requests of every live version batch
+together). Arguments after ``--`` go to vLLM unchanged.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--transport", choices=("nccl", "gloo"), default="nccl")
     args = parser.parse_args(ours)
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+    os.environ.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")  # /v1/load_lora_adapter (LoRA servers only)
     command = server_command(args.model, args.host, args.port, args.transport, extra)
     os.execv(command[0], command)
 

@@ -4,8 +4,8 @@ routed. One ``Lanes`` belongs to one ``RolloutPool`` and shares its lock; the po
 
 A lane that exits, or sends no heartbeat for ``heartbeat_timeout_s``, is lost: killed, what it held handed back to
 the pool (``requeue``: first turns go back to admission, later turns of episodes are generated again from the same
-context), and restarted with the newest weights, up to ``max_restarts`` times; after that, or for a lane that
-cannot be restarted (a vLLM server), the pool fails with the reason. A lane's report of adopted weights is checked
+context), and restarted with the newest weights (a vLLM server's lane waits for the server to come back and is
+re-attached: engines/vllm/reattach.py), up to ``max_restarts`` times; after that, the pool fails with the reason. A lane's report of adopted weights is checked
 against the digest of what was published (``rollout_verify_weights``).
 """
 
@@ -124,7 +124,8 @@ class Lanes:
             self.workers[i] = self.backend.start_lane(i, restarts=lost.restarts + 1)
             self.worker_restarts += 1
             self._cv.notify_all()
-        logger.warning("%s; restarted it, %d group(s) it held will be generated again", what, len(held))
+        note = getattr(self.backend, "restart_note", "restarted it")
+        logger.warning("%s; %s, %d group(s) it held will be generated again", what, note, len(held))
 
     def _on_adopted(self, msg: WeightsAdopted) -> None:
         with self._cv:

@@ -13,6 +13,7 @@ reward function surfaces as an exception on the main thread, never as a hang.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -26,6 +27,7 @@ from transformers.utils import logging
 
 from ..records import RolloutGroup, RolloutTask
 from ..sync.shared_memory import Digest
+from .consumption import next_ready
 from .lanes import Lanes, RolloutWorkerError  # noqa: F401 - RolloutWorkerError: raised to the trainer
 from .prompts import PromptStream
 from .scored import ScoredGroup, TakeStats
@@ -53,6 +55,7 @@ class PoolSettings:
     heartbeat_timeout_s: float = 10.0  # a worker silent this long is hung: killed, then restarted or reported
     scoring_threads: int = 1  # groups scored at once (each on its own thread), off the collector thread
     num_generations: int = 1  # rows per group (a later turn of one episode is one row)
+    consumption_window: int | None = None  # None: arrival order; k: admission order within k groups (consumption.py)
 
 
 class RolloutPool:
@@ -152,8 +155,9 @@ class RolloutPool:
                 self._raise_if_failed()
                 if self.filtered_groups != filtered_seen:  # dynamic sampling: groups are still being generated
                     filtered_seen, deadline = self.filtered_groups, time.perf_counter() + self.settings.timeout_s
-                while self._ready and len(taken) < n:
-                    scored = self._ready.popleft()
+                while len(taken) < n and (i := self._next_ready(taken)) is not None:
+                    scored = self._ready[i]
+                    del self._ready[i]
                     s = staleness(consumer_version, scored.group.token_versions)
                     if s > self.settings.max_staleness:
                         self._drop_stale(scored.group)
@@ -190,6 +194,7 @@ class RolloutPool:
             filtered_groups_total=filtered_total,
             filtered_since=filtered,
             kept_since=kept,
+            lanes_healthy=sum(w.is_alive() and w.max_outstanding > 0 for w in self.lanes.workers),
         )
         return taken, stats
 
@@ -203,6 +208,13 @@ class RolloutPool:
         it)."""
         with self._cv:
             return self._rows[group_id]
+
+    def _next_ready(self, taken: list[ScoredGroup]) -> int | None:
+        """Where in ``_ready`` the next group to take is (consumption.py), or None to wait (caller holds the lock)."""
+        if self.settings.consumption_window is None or not self._ready:
+            return 0 if self._ready else None
+        pending = self._positions.keys() - {g.group.group_id for g in taken}
+        return next_ready([g.group.group_id for g in self._ready], pending, self.settings.consumption_window)
 
     def _forget(self, group_id: int) -> int:
         """A group leaves the pool (trained, dropped, abandoned or requeued; caller holds the lock): its stream
@@ -290,13 +302,8 @@ class RolloutPool:
         s = self.settings
         if self._published is None:
             return 0
-        by_staleness = max_groups_admitted(
-            self._published,
-            s.max_staleness,
-            s.groups_per_batch,
-            s.steps_per_batch,
-            s.start_version,
-        )
+        by_staleness = max_groups_admitted(self._published, s.max_staleness, s.groups_per_batch, s.steps_per_batch,
+                                           s.start_version)  # fmt: skip
         return min(by_staleness, self._consumed + s.queue_size)
 
     def _dispatch_loop(self) -> None:
@@ -310,9 +317,12 @@ class RolloutPool:
         def load(w) -> float:  # in groups: a later turn of one episode is 1 / num_generations of a group
             return sum(len(t.contexts) / rows_per_group if t.contexts else 1 for t in w.outstanding.values())
 
+        handed: dict[int, int] = {}  # id(lane) -> the number of its last chunk: of equal loads, the idlest lane
+        chunks = itertools.count()
+
         def free_worker():
             room = [w for w in self.lanes.workers if load(w) + per_call <= w.max_outstanding]
-            return min(room, key=load) if room else None
+            return min(room, key=lambda w: (load(w), handed.get(id(w), -1))) if room else None
 
         while True:
             with self._cv:
@@ -354,6 +364,7 @@ class RolloutPool:
                             self._episodes.start(task)
                         continue
                 worker.register(chunk)
+                handed[id(worker)] = next(chunks)
             self._transmit(worker, chunk)  # outside the lock
 
     @staticmethod

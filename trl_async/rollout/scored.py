@@ -33,3 +33,4 @@ class TakeStats:
     filtered_groups_total: int | None = None  # dynamic_sampling: groups dropped for no signal (None: off)
     filtered_since: int = 0  # of those, since the previous take
     kept_since: int = 0  # groups scored and kept since the previous take
+    lanes_healthy: int | None = None  # lanes taking work (workers alive; vLLM servers attached)

@@ -6,6 +6,9 @@ and receives, per version, the factors A and B of every adapted layer and their 
 ``W = W_base + scale * (B @ A)`` (transposed for ``fan_in_fan_out``), with the arithmetic of peft's
 ``get_delta_weight``, so it generates with a plain model at the base model's speed: no adapter matmuls per token.
 
+For vLLM servers, ``served_adapter`` folds a version's adapters and scales into one peft-format adapter that a
+server applies at scale 1 (engines/vllm/adapters.py loads it as a named adapter).
+
 What cannot go adapter-only (``adapter_sync_blocker`` says why) falls back to the merged full weights: LoRA on
 embeddings or convolutions, and any trainable parameter outside the adapters (``modules_to_save``, peft's
 ``bias="all"``/``"lora_only"``). DoRA and other variants and ``lora_bias`` are refused at construction
@@ -145,3 +148,32 @@ def merged_weights(
     out.update({m.weight: torch.empty_like(base[m.weight]) for m in merges})
     merge_adapters(merges, base, adapters, out)
     return out
+
+
+def served_adapter(
+    merges: tuple[LoraMerge, ...], adapters: Mapping[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], int]:
+    """One version's adapters as a single peft-format LoRA adapter a server applies with scale 1 (``lora_alpha ==
+    r``, no rslora): per adapted layer, ``A`` stacks the active adapters' A factors and ``B`` their B factors times
+    their scales, so ``B @ A == sum(scale * (B_i @ A_i))`` whatever the scaling rule (alpha/r, rslora, alpha_pattern,
+    ``set_scale``). Layers of lower rank are padded with zero rows of A and zero columns of B to the adapter's rank
+    ``r`` (the largest), which leaves their product unchanged. Returns ``(tensors, r)``; the tensors are float32 and
+    named ``base_model.model.<layer>.lora_{A,B}.weight``, as ``peft.save_pretrained`` writes them."""
+    scales = adapters[SCALES].tolist()
+    stacked = {}
+    for m in merges:
+        a = torch.cat([adapters[a].float() for a, _, _ in m.factors], dim=0)
+        b = torch.cat([adapters[b].float() * scales[i] for _, b, i in m.factors], dim=1)
+        stacked[m.weight.removesuffix(".weight")] = (a, b)
+    rank = max(a.shape[0] for a, _ in stacked.values())
+    tensors = {}
+    for layer, (a, b) in stacked.items():
+        pad = rank - a.shape[0]
+        tensors[f"base_model.model.{layer}.lora_A.weight"] = torch.nn.functional.pad(a, (0, 0, 0, pad)).contiguous()
+        tensors[f"base_model.model.{layer}.lora_B.weight"] = torch.nn.functional.pad(b, (0, pad)).contiguous()
+    return tensors, rank
+
+
+def served_rank(merges: tuple[LoraMerge, ...], specs: Mapping[str, tuple]) -> int:
+    """The rank of ``served_adapter``'s adapter, from the published tensors' shapes (``policy_specs(part="adapters")``)."""
+    return max(sum(specs[a][0][0] for a, _, _ in m.factors) for m in merges)

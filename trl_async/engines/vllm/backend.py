@@ -8,223 +8,53 @@ shared. Each token comes back with its log-prob under the distribution vLLM samp
 ``--logprobs-mode processed_logprobs``: temperature, top-k/top-p applied), i.e. mu, and with the label of the
 weights that sampled it (vLLM's ``weight_versions`` spans; a weight push labels the weights with the policy version).
 
-A lane health-checks its server every 0.5 s; a server that stops answering is reported by the pool's health check
-(``rollout_heartbeat_timeout_s``) naming its URL, and a request that fails is retried with backoff for
-``rollout_vllm_retry_s`` before the lane reports it. A server cannot be restarted by us, so a lost server ends
-training with that error (never a hang).
+A lane health-checks its server every 0.5 s; a server silent for ``rollout_heartbeat_timeout_s`` is lost: what it
+held is generated again on the other servers, and its lane is replaced by one that waits for it (reattach.py). When
+it answers again as the same server, the next publish re-opens the weight transport with it, pushes the current
+weights (with adapters: the base, then the current adapter), compares a greedy probe with a peer's, and only then
+does it take work. Training stops, naming the server, once it has been down ``rollout_vllm_down_limit_s``, every
+server for ``rollout_vllm_retry_s``, or it comes back as another model (never a hang).
 """
 
 from __future__ import annotations
 
-import contextlib
-import queue
-import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from multiprocessing import Pipe
+from dataclasses import dataclass
 
-from ...records import RolloutGroup, RolloutTask, WeightsAdopted, WorkerFailed
+import torch
+from transformers.utils import logging
+
+from ...sync.adapters import LoraMerge, served_adapter, served_rank
+from .adapters import ServedAdapters
 from .client import VLLMServer, VLLMServerError
+from .lane import VLLMLane, VLLMLaneSpec, cut_after_eos  # noqa: F401 - the backend's pieces, importable from here
+from .reattach import Return, identity
 from .weights import Buckets, VLLMWeightPusher
 
-HEALTH_INTERVAL_S = 0.5
+logger = logging.get_logger(__name__)
+PROBE = (1, 2, 3, 4, 5, 6, 7, 8)  # the prompt a returning server and a peer both complete greedily
 
 
 @dataclass(frozen=True)
-class VLLMLaneSpec:
-    worker_id: int
-    url: str
-    sampling_params: dict  # vLLM SamplingParams fields shared by every request (n, temperature, max_tokens, ...)
-    eos_token_ids: tuple[int, ...]
-    seed: int
-    max_requests: int  # concurrent requests to this server
-    request_timeout_s: float
-    retry_s: float
+class AdapterPlan:
+    """Adapter-only LoRA sync (engines/vllm/adapters.py): the frozen base's specs (pushed once), the published
+    adapter tensors' specs, how they combine per layer, where the adapter files go, and how many versions stay."""
 
-
-def cut_after_eos(token_ids: Sequence[int], eos_token_ids: Sequence[int]) -> int:
-    """Length of a completion kept up to and including its first EOS (all of it without one)."""
-    for i, token in enumerate(token_ids):
-        if token in eos_token_ids:
-            return i + 1
-    return len(token_ids)
-
-
-@dataclass(eq=False)
-class VLLMLane:
-    spec: VLLMLaneSpec
-    max_outstanding: int
-    restarts: int = 0
-    outstanding: dict[tuple, RolloutTask] = field(default_factory=dict)  # task key -> task
-
-    def __post_init__(self) -> None:
-        self.server = VLLMServer(self.spec.url, self.spec.request_timeout_s, self.spec.retry_s)
-        self.results, self._outbox = Pipe(duplex=False)
-        self._outbox_lock = threading.Lock()
-        self._tasks: queue.Queue[RolloutTask | None] = queue.Queue()
-        self._stopped = threading.Event()
-        self._last_healthy = time.time()
-        self._turn_slots = threading.BoundedSemaphore(self.spec.max_requests)  # requests of multi-context tasks
-        # daemon threads: a request stuck on a hung server must not keep the interpreter from exiting
-        for i in range(self.spec.max_requests):
-            threading.Thread(
-                target=self._request_loop, name=f"trl_async-vllm{self.worker_id}-{i}", daemon=True
-            ).start()
-        threading.Thread(target=self._health_loop, name=f"trl_async-vllm{self.worker_id}-health", daemon=True).start()
-
-    @property
-    def worker_id(self) -> int:
-        return self.spec.worker_id
-
-    # ---- the pool's view (same as WorkerProcess) ---------------------------------------------------------------
-    def send(self, chunk: list[RolloutTask]) -> None:
-        self.register(chunk)
-        self.transmit(chunk)
-
-    def register(self, chunk: list[RolloutTask]) -> None:
-        for task in chunk:
-            self.outstanding[task.key] = task
-
-    def transmit(self, chunk: list[RolloutTask]) -> None:
-        for task in chunk:
-            self._tasks.put(task)
-
-    def is_alive(self) -> bool:
-        return not self._stopped.is_set()
-
-    def exit_reason(self) -> str:
-        return "was stopped"
-
-    def silent_for(self, now: float) -> float:
-        return now - self._last_healthy
-
-    def describe(self) -> str:
-        return f"vLLM server {self.spec.url}"
-
-    def adopted(self, version: int) -> None:
-        """The server now generates with ``version`` (called after a push)."""
-        self._post(WeightsAdopted(self.worker_id, version, None))
-
-    def stop(self, timeout_s: float = 0.0) -> None:
-        self.kill()
-
-    def kill(self) -> None:
-        self._stopped.set()
-        for _ in range(self.spec.max_requests):
-            self._tasks.put(None)
-        with self._outbox_lock:
-            self._outbox.close()
-        with contextlib.suppress(Exception):
-            self.results.close()
-
-    # ---- lane threads ------------------------------------------------------------------------------------------
-    def _post(self, msg) -> None:
-        with self._outbox_lock:
-            if not self._stopped.is_set():
-                with contextlib.suppress(OSError):
-                    self._outbox.send(msg)
-
-    def _health_loop(self) -> None:
-        while not self._stopped.wait(HEALTH_INTERVAL_S):
-            if self.server.healthy(timeout_s=2.0):
-                self._last_healthy = time.time()
-
-    def _request_loop(self) -> None:
-        while True:
-            task = self._tasks.get()
-            if task is None or self._stopped.is_set():
-                return
-            try:
-                self._post(self._generate(task))
-            except Exception as exc:  # noqa: BLE001 - reported to the pool, which raises it on the trainer's thread
-                self._post(WorkerFailed(self.worker_id, f"vLLM server {self.spec.url}: {exc}"))
-
-    def _request(self, prompt_ids, params: dict) -> list:
-        """One generate request, watched by this lane: abandoned when the lane stops, or when its health thread has
-        not seen the server healthy for ``request_timeout_s`` (the request itself may take longer)."""
-        return self.server.generate(
-            prompt_ids, params, stopped=self._stopped.is_set,
-            alive=lambda: self.silent_for(time.time()) < self.spec.request_timeout_s,
-        )  # fmt: skip
-
-    def _generate(self, task: RolloutTask) -> RolloutGroup:
-        started_at, start = time.time(), time.perf_counter()
-        params = {**self.spec.sampling_params, "seed": self.spec.seed + task.group_id}
-        if task.contexts:  # later turns, or rollout_generate: one completion per context
-            completions = self._generate_contexts(task, params)
-        else:
-            completions = self._request(task.prompt_ids, params)
-            if len(completions) != params["n"]:
-                raise VLLMServerError(f"asked for {params['n']} completions, got {len(completions)}")
-        elapsed = time.perf_counter() - start
-        kept = [cut_after_eos(c.token_ids, self.spec.eos_token_ids) for c in completions]
-        return RolloutGroup(
-            group_id=task.group_id,
-            prompt_index=task.prompt_index,
-            prompt_ids=task.prompt_ids,
-            completion_ids=tuple(c.token_ids[:n] for c, n in zip(completions, kept, strict=True)),
-            logprobs=tuple(c.logprobs[:n] for c, n in zip(completions, kept, strict=True)),
-            versions=tuple(c.versions[:n] for c, n in zip(completions, kept, strict=True)),
-            worker_id=self.worker_id,
-            generate_s=elapsed,
-            generate_started_at=started_at,
-            rows=task.rows,
-        )
-
-    def _generate_contexts(self, task: RolloutTask, params: dict) -> list:
-        """One completion per context of ``task``: one request per distinct context (``n`` = its copies), all at
-        once (at most ``max_requests`` of them per lane); each request seeded by the group, its first row and the
-        context's length, so episodes and their successive turns draw different samples."""
-        if task.max_new_tokens:
-            params = {**params, "max_tokens": task.max_new_tokens}
-        rows_of: dict[tuple[int, ...], list[int]] = {}
-        for i, context in enumerate(task.contexts):
-            rows_of.setdefault(tuple(context), []).append(i)
-        requests = [
-            (context, {**params, "n": len(rows),
-                       "seed": params["seed"] + 7919 * (task.rows[rows[0]] + 1) + 104_729 * len(context)})  # fmt: skip
-            for context, rows in rows_of.items()
-        ]
-        answers = self._generate_all(requests)
-        completions: list = [None] * len(task.contexts)
-        for (context, request), answer in zip(requests, answers, strict=True):
-            if len(answer) != request["n"]:
-                raise VLLMServerError(f"asked for {request['n']} completions, got {len(answer)}")
-            for i, completion in zip(rows_of[context], answer, strict=True):
-                completions[i] = completion
-        return completions
-
-    def _generate_all(self, requests: list[tuple]) -> list:
-        """Each ``(prompt_ids, params)`` request on its own daemon thread (a request stuck on a hung server never
-        keeps the interpreter from exiting), at most ``max_requests`` at once per lane."""
-        if len(requests) == 1:
-            return [self._request(*requests[0])]
-        answers: list = [None] * len(requests)
-        errors: list[BaseException] = []
-
-        def run(i: int) -> None:
-            with self._turn_slots:
-                try:
-                    answers[i] = self._request(*requests[i])
-                except Exception as exc:  # noqa: BLE001 - raised below, on the lane's thread
-                    errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(i,), name=f"trl_async-vllm{self.worker_id}-turn", daemon=True)
-                   for i in range(len(requests))]  # fmt: skip
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        return answers
+    base_specs: dict
+    adapter_specs: dict
+    merges: tuple[LoraMerge, ...]
+    directory: str | None
+    keep: int
 
 
 class VLLMBackend:
-    """The pool's backend for vLLM servers: one lane per server and the weight pusher."""
+    """The pool's backend for vLLM servers: one lane per server and the weight pusher. With an ``AdapterPlan`` the
+    base is pushed once (``publish_base``) and each version is loaded as a named adapter (``publish``), unless a
+    server cannot serve the adapters: then ``adapter_blocker`` says why and every version is pushed merged."""
 
-    restartable = False
+    restartable = True  # a lost server's lane waits for it to come back (reattach.py)
+    restart_note = "waiting for it to come back (re-attached at a weight sync once it answers)"
 
     def __init__(
         self,
@@ -235,40 +65,153 @@ class VLLMBackend:
         bucket_bytes: int,
         pause_mode: str,
         startup_timeout_s: float,
+        adapters: AdapterPlan | None = None,
+        down_limit_s: float | None = None,
     ) -> None:
         self.specs = list(specs)
         self.max_outstanding = max_outstanding
         self.pause_mode = pause_mode
-        servers = [VLLMServer(s.url, s.request_timeout_s, s.retry_s) for s in self.specs]
-        for server in servers:
-            check_server(server, startup_timeout_s, transport)
-        self.pusher = VLLMWeightPusher(servers, transport, bucket_bytes, startup_timeout_s, weight_specs)
-        self.lanes: list[VLLMLane] = []
+        self.servers = servers = [VLLMServer(s.url, s.request_timeout_s, s.retry_s) for s in self.specs]
+        infos = [check_server(server, startup_timeout_s, transport) for server in servers]
+        self.identities = [identity(info) for info in infos]  # what a server must be to be taken back
+        self.down_limit_s = down_limit_s
+        self.reattached: list[dict] = []  # each re-attach: url, seconds down, seconds from back to taking work
+        self.adapter_blocker = None
+        self.served = None
+        if adapters is not None:
+            rank = served_rank(adapters.merges, adapters.adapter_specs)
+            leaves = {m.weight.split(".")[-2] for m in adapters.merges}
+            reasons = [lora_blocker(info, s.url, rank, leaves) for info, s in zip(infos, servers, strict=True)]
+            self.adapter_blocker = next(filter(None, reasons), None)
+            if self.adapter_blocker is None:  # a zero adapter of the real shapes, loaded and unloaded on each server
+                self.served = ServedAdapters(servers, adapters.keep, adapters.directory)
+                zeros = {n: torch.zeros(shape, dtype=dtype) for n, (shape, dtype) in adapters.adapter_specs.items()}
+                self.adapter_blocker = self.served.probe(*served_adapter(adapters.merges, zeros))
+                if self.adapter_blocker is not None:
+                    self.served.close()
+                    self.served = None
+        self.plan = adapters if self.served is not None else None
+        self._pushed_specs = self.plan.base_specs if self.plan else weight_specs
+        self._transport = (transport, bucket_bytes, startup_timeout_s)
+        self.pusher = VLLMWeightPusher(servers, *self._transport, self._pushed_specs)
+        self._members = list(range(len(servers)))  # the servers the pusher's collective group spans
+        self._based: list[int] = []  # servers back after a loss that got the frozen base at this publish
+        self.lanes: list[VLLMLane] = []  # every lane started, replaced ones included
+        self.current: list[VLLMLane | None] = [None] * len(servers)  # by server
+
+    @property
+    def adapter_sync(self) -> bool:
+        return self.plan is not None
 
     def start_lane(self, index: int, restarts: int = 0) -> VLLMLane:
-        lane = VLLMLane(self.specs[index], self.max_outstanding, restarts)
+        """A server's lane; a replacement (``restarts`` > 0) waits for its server to come back (reattach.py)."""
+        returning = None
+        if restarts:
+            returning = Return(self.specs[index].url, self.identities[index], self.down_limit_s,
+                               self.specs[index].retry_s, lambda: any(ln.attached for ln in self.current if ln not in (None, lane)))  # fmt: skip
+        lane = VLLMLane(self.specs[index], self.max_outstanding, restarts, adapters=self.served, returning=returning)
         self.lanes.append(lane)
+        self.current[index] = lane
         return lane
+
+    def _back(self) -> list[int]:
+        return [i for i, ln in enumerate(self.current) if ln is not None and ln.returning and ln.returning.state == "back"]
+
+    def _live(self, back: list[int]) -> list[int]:
+        """The servers to sync now: attached ones that answer, and ``back``, those being re-attached."""
+        return [i for i, ln in enumerate(self.current) if i in back or (ln is not None and ln.attached
+                                                                       and self.servers[i].healthy(timeout_s=2.0))]  # fmt: skip
+
+    @property
+    def needs_base(self) -> bool:
+        """Adapter-only sync: a server came back and must get the frozen base before its first adapter."""
+        return self.plan is not None and bool(self._back())
 
     @property
     def publish_target(self) -> None:
         return None  # weights stream to the servers; nothing to write in place
 
+    base_target = publish_target
+
+    def publish_base(self, buckets: Buckets, version: int) -> None:
+        """The frozen base before the first adapter (the servers may have started from other weights): to every
+        server first, later to the servers that came back."""
+        if self.pusher.pushes:  # returning servers: a group of their own (the others keep their base and adapters)
+            self._based = self._back()  # (one seen back after this waits for the next publish)
+            self._regroup(self._based)
+        self.pusher.push(buckets, version, self.pause_mode)
+
     def publish(self, buckets: Buckets, version: int, digest=None, ready=None) -> None:
         # no digest here (rollout_verify_weights is refused with vLLM: its kernels do not reproduce the trainer's)
         if ready is not None:
             ready()
-        self.pusher.push(buckets, version, self.pause_mode)
-        for lane in self.lanes:
-            lane.adopted(version)
+        # the servers re-attached now: every one back (merged weights go to all), or those that got the base
+        back = self._back() if self.plan is None else [i for i in self._back() if i in self._based]
+        self._based = []
+        live = self._live(back)
+        if not live:  # every server is down: nothing to sync; the lanes wait for one to come back (reattach.py)
+            return
+        if self.plan is not None:
+            tensors = {name: t.detach().clone() for bucket in buckets for name, t in bucket}
+            self.served.publish(*served_adapter(self.plan.merges, tensors), version, [self.servers[i] for i in live])
+        else:
+            if live != self._members:  # a server was lost or came back: a new group over the ones up now
+                self._regroup(live)
+            self.pusher.push(buckets, version, self.pause_mode)
+        for i in back:
+            self._reattach(i, version)
+        for lane in self.current:
+            if lane is not None and lane.attached:
+                lane.adopted(version)
+
+    def _regroup(self, members: list[int]) -> None:
+        self.pusher = VLLMWeightPusher([self.servers[i] for i in members], *self._transport, self._pushed_specs)
+        self._members = members
+
+    def _reattach(self, index: int, version: int) -> None:
+        """A server that came back now holds ``version``: check that it samples as a peer does, then give it work."""
+        lane, adapter = self.current[index], (self.served.name(version), version) if self.served else None
+        peers = [i for i, ln in enumerate(self.current) if ln is not None and ln.attached]
+        if peers:
+            params = {"n": 1, "max_tokens": 8, "temperature": 0.0, "logprobs": 0, "ignore_eos": True}
+            mine, theirs = (self.servers[i].generate(PROBE, params, adapter=adapter)[0].token_ids for i in (index, peers[0]))
+            if mine != theirs:
+                raise VLLMServerError(
+                    f"vLLM server {lane.describe()} came back, but after the weight sync its greedy output {mine} "
+                    f"differs from {self.servers[peers[0]].url}'s {theirs} on the same version {version}: refused"
+                )
+        seconds = lane.returning.attach(time.time())
+        self.reattached.append({"url": lane.spec.url, "down_to_working_s": seconds,
+                                "back_to_working_s": time.time() - lane.returning.back_at})  # fmt: skip
+        logger.warning("vLLM server %s re-attached at version %d, %.1fs after it was lost%s", lane.spec.url, version,
+                       seconds, "" if peers else " (no other server to compare its output with)")  # fmt: skip
 
     def close(self) -> None:
         for lane in self.lanes:
             lane.kill()
+        if self.served is not None:
+            self.served.close()
 
 
-def check_server(server: VLLMServer, startup_timeout_s: float, transport: str) -> None:
-    """Fail early, naming the flag to add, when a server is not started the way this backend needs."""
+def lora_blocker(info: dict, url: str, rank: int, leaves: set[str]) -> str | None:
+    """Why the server described by ``info`` (``/server_info``) cannot serve an adapter of ``rank`` on the modules
+    named ``leaves``, or None."""
+    lora = (info.get("vllm_config") or {}).get("lora_config")
+    if not lora:
+        return (f"vLLM server {url} was started without LoRA: add --enable-lora --max-lora-rank {rank} "
+                f"(and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, which `python -m trl_async.vllm_serve` sets)")  # fmt: skip
+    if lora.get("max_lora_rank", 0) < rank:
+        return (f"vLLM server {url} serves LoRA rank {lora.get('max_lora_rank')} at most (--max-lora-rank) and these "
+                f"adapters need {rank}")  # fmt: skip
+    missing = sorted(leaves - set(lora.get("target_modules") or leaves))
+    if missing:  # vLLM would load the adapter and silently not apply it to these modules
+        return f"vLLM server {url} applies LoRA only to {lora['target_modules']} (--lora-target-modules), not {missing}"
+    return None
+
+
+def check_server(server: VLLMServer, startup_timeout_s: float, transport: str) -> dict:
+    """Fail early, naming the flag to add, when a server is not started the way this backend needs. Returns its
+    ``/server_info``."""
     server.wait_until_healthy(startup_timeout_s)
     hint = "start it with `python -m trl_async.vllm_serve` (or see the README for the flags)"
     try:
@@ -290,3 +233,4 @@ def check_server(server: VLLMServer, startup_timeout_s: float, transport: str) -
             f"vLLM server {server.url} has no '{expected}' weight-transfer engine: add --weight-transfer-config "
             f'\'{{"backend": "{expected}"}}\'; {hint}'
         )
+    return info

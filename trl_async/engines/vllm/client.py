@@ -84,7 +84,10 @@ class VLLMServer:
         )
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             payload = response.read()
-        return json.loads(payload) if payload else {}
+        try:
+            return json.loads(payload) if payload else {}
+        except json.JSONDecodeError:  # some endpoints answer in plain text (/v1/load_lora_adapter)
+            return {"text": payload.decode(errors="replace")}
 
     def request(
         self, method: str, path: str, body: dict | None = None, timeout_s: float | None = None, retry: bool = True
@@ -224,12 +227,17 @@ class VLLMServer:
         return self.request("GET", "/server_info?config_format=json")
 
     # ---- generation --------------------------------------------------------------------------------------------
-    def generate(self, prompt_ids: Sequence[int], sampling_params: dict, stopped=None, alive=None) -> list[Completion]:
+    def generate(
+        self, prompt_ids: Sequence[int], sampling_params: dict, stopped=None, alive=None, adapter=None
+    ) -> list[Completion]:
         """``sampling_params['n']`` completions of one prompt, in choice order (``stopped``, ``alive``: see
-        ``post_while_alive``)."""
+        ``post_while_alive``). ``adapter``: ``(name, version)`` of a loaded LoRA adapter to sample with; every
+        token is then that version's (the request runs on its adapter to the end)."""
         body = {"token_ids": list(prompt_ids), "sampling_params": sampling_params}
+        if adapter is not None:
+            body["model"] = adapter[0]
         reply = self.post_while_alive("/inference/v1/generate", body, stopped=stopped, alive=alive)
-        return completions_from_response(reply, self.url)
+        return completions_from_response(reply, self.url, None if adapter is None else adapter[1])
 
     def pause(self, mode: str) -> None:
         self.request("POST", f"/pause?mode={mode}")
@@ -256,10 +264,23 @@ class VLLMServer:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.request("POST", "/finish_weight_update", {"weight_version": weight_version})
 
+    # ---- LoRA adapters (engines/vllm/adapters.py; the server needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True) ---------
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        # in place: a retry after a load whose reply was lost must not fail as "already loaded" (names are unique)
+        self.request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": True})
 
-def completions_from_response(response: dict, url: str) -> list[Completion]:
+    def unload_lora_adapter(self, name: str, retry: bool = True, timeout_s: float | None = None) -> None:
+        try:
+            self.request("POST", "/v1/unload_lora_adapter", {"lora_name": name}, timeout_s=timeout_s, retry=retry)
+        except VLLMServerError as exc:
+            if "(HTTP 404)" not in str(exc):  # not loaded (any more): a retried unload whose reply was lost
+                raise
+
+
+def completions_from_response(response: dict, url: str, version: int | None = None) -> list[Completion]:
     """The choices of a ``/inference/v1/generate`` response in choice order. A null log-prob (vLLM writes a NaN as
-    null) becomes NaN: the correction gives such a token ratio 1 and counts it, as GRPOTrainer does."""
+    null) becomes NaN: the correction gives such a token ratio 1 and counts it, as GRPOTrainer does. ``version``: the
+    version of the adapter the request named (every token's); otherwise each token's comes from the spans."""
     completions = []
     for choice in sorted(response["choices"], key=lambda c: c["index"]):
         ids = tuple(choice["token_ids"])
@@ -270,7 +291,8 @@ def completions_from_response(response: dict, url: str) -> list[Completion]:
             Completion(
                 token_ids=ids,
                 logprobs=tuple(math.nan if e["logprob"] is None else float(e["logprob"]) for e in content),
-                versions=token_versions(choice.get("weight_versions"), len(ids)),
+                versions=(version,) * len(ids) if version is not None
+                else token_versions(choice.get("weight_versions"), len(ids)),
                 finish_reason=choice.get("finish_reason"),
             )
         )

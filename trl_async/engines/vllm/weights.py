@@ -178,6 +178,7 @@ class VLLMWeightPusher:
         self.servers = list(servers)
         self.specs = specs
         self.last_phases: dict[str, float] = {}
+        self.pushes = 0
         client = FanOutClient(self.servers)
         if transport == "nccl":
             self.sender = NCCLSender(client, specs)
@@ -196,4 +197,5 @@ class VLLMWeightPusher:
         marks.append(time.perf_counter())
         phases = ("pause", "send", "reset_resume")
         self.last_phases = {name: marks[i + 1] - marks[i] for i, name in enumerate(phases)}
+        self.pushes += 1
         return marks[-1] - marks[0]

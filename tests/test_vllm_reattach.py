@@ -1,0 +1,134 @@
+"""vLLM servers that come back (engines/vllm/reattach.py): the waiting lane's rules by hand, then a real server
+killed mid-run and restarted on its port while training goes on with another one."""
+
+from __future__ import annotations
+
+import pytest
+
+from trl_async.engines.vllm.reattach import Return, identity
+
+
+def _info(model="/models/a", rank=None):
+    """The parts of /server_info that identity() reads."""
+    return {"vllm_config": {"model_config": {"model": model, "max_model_len": 256, "dtype": "torch.float32",
+                                              "logprobs_mode": "processed_logprobs"},
+                            "lora_config": {"max_lora_rank": rank} if rank else None,
+                            "weight_transfer_config": {"backend": "trl_async_gloo"}}}  # fmt: skip
+
+
+@pytest.mark.unit
+def test_a_server_is_taken_back_only_as_the_same_server():
+    back = Return("http://s:1", identity(_info()), down_limit_s=100, retry_s=10, others_attached=lambda: True,
+                  down_since=0.0)  # fmt: skip
+    assert back.watch(False, _info, now=5.0) is None and back.state == "down"
+    assert back.watch(True, _info, now=6.0) is None and back.state == "back" and back.back_at == 6.0
+    assert back.watch(False, _info, now=7.0) is None and back.state == "down"  # gone again before re-attached
+    assert back.watch(True, _info, now=8.0) is None and back.state == "back"
+    assert back.attach(now=9.5) == 9.5 and back.attached
+
+    other = Return("http://s:1", identity(_info()), 100, 10, lambda: True, down_since=0.0)
+    why = other.watch(True, lambda: _info(model="/models/b"), now=1.0)
+    assert "came back serving something else: {'model': ('/models/a', '/models/b')}" in why and "refused" in why
+    lora = Return("http://s:1", identity(_info(rank=16)), 100, 10, lambda: True, down_since=0.0)
+    assert "'max_lora_rank': (16, None)" in lora.watch(True, _info, now=1.0)  # restarted without --enable-lora
+
+
+@pytest.mark.unit
+def test_the_limits_on_waiting_for_a_server():
+    others = {"up": True}
+    gone = Return("http://s:1", identity(_info()), down_limit_s=100, retry_s=10, others_attached=lambda: others["up"],
+                  down_since=0.0)  # fmt: skip
+    assert gone.watch(False, _info, now=50.0) is None  # another server works: keep waiting
+    others["up"] = False
+    assert "every vLLM server is down; http://s:1 for 50s (rollout_vllm_retry_s=10)" in gone.watch(False, _info, 50.0)
+    others["up"] = True
+    assert "down for 101s (rollout_vllm_down_limit_s=100)" in gone.watch(False, _info, now=101.0)
+    patient = Return("http://s:1", identity(_info()), None, 10, lambda: True, down_since=0.0)
+    assert patient.watch(False, _info, now=10_000.0) is None  # no limit while others work
+
+
+def test_a_killed_server_restarted_on_its_port_is_reattached_and_nothing_is_lost(
+    tmp_path, vllm_server, vllm_model_dir, vllm_server_to_restart
+):
+    """Two servers; after step 2 one is killed (SIGKILL to all its processes) and restarted on its port. Training goes
+    on with the other; what the killed one held is generated again; once it answers, the next weight sync re-attaches
+    it, and its tokens are then sampled from the pushed version (mu equals a teacher-forced forward of it)."""
+    import json
+    import threading
+    import time
+    import urllib.parse
+
+    import torch
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    from tests.test_lora_sync import VersionedTrainer
+    from tests.test_vllm_backend import _dataset, _reward, _vllm_args
+    from tests.vllm_server import start_server
+
+    second = vllm_server_to_restart
+    port = urllib.parse.urlsplit(second.url).port
+    state = {}
+
+    class KillAndRestart(TrainerCallback):
+        def on_step_end(self, args, train_state, control, **kwargs):
+            pool = trainer.rollout_pool
+            if train_state.global_step == 2:
+                second.stop()
+                state["held"] = [(t.group_id, t.prompt_index) for t in pool.outstanding(1)]
+                state["killed_at"] = train_state.global_step
+
+                def restart():
+                    state["restarted"] = start_server(vllm_model_dir, tmp_path / "b2.log", port=port)
+
+                state["thread"] = threading.Thread(target=restart, daemon=True)
+                state["thread"].start()
+            if train_state.global_step == 6:  # training went on without it; now let it come back before the end
+                state["trained_while_down"] = state["thread"].is_alive()
+                state["thread"].join(240)
+                deadline = time.monotonic() + 60
+                while True:  # its lane replaced by one that waits, and that one has seen it back
+                    returning = pool.lanes.workers[1].returning
+                    if returning is not None and returning.state in ("back", "attached"):
+                        break
+                    assert time.monotonic() < deadline, "the restarted server was not seen back"
+                    time.sleep(0.2)
+
+    args = _vllm_args(tmp_path, vllm_server.url, max_steps=12, max_staleness=1, rollout_heartbeat_timeout_s=3,
+                      rollout_vllm_retry_s=20, per_device_train_batch_size=8,
+                      rollout_vllm_urls=[vllm_server.url, second.url])  # fmt: skip
+    trainer = VersionedTrainer(model=vllm_model_dir, reward_funcs=_reward, args=args, train_dataset=_dataset(),
+                               callbacks=[KillAndRestart()])  # fmt: skip
+    try:
+        trainer.train()
+    finally:
+        second.stop()
+        if "restarted" in state:
+            state["restarted"].stop()
+    assert trainer.state.global_step == 12 and state["trained_while_down"]
+    backend = trainer.last_rollout_pool.backend
+    assert [r["url"] for r in backend.reattached] == [second.url]
+    rows = [json.loads(x) for x in (tmp_path / "traj.jsonl").read_text().splitlines()]
+    groups = {}
+    for r in rows:
+        groups.setdefault(r["group_id"], set()).add(r["step"])
+        assert r["staleness"] <= 1 and all(r["step"] - 1 <= v <= r["step"] for v in r["versions"])
+    assert all(len(steps) == 1 for steps in groups.values())  # no group trained twice
+    assert sorted({r["step"] for r in rows}) == list(range(12)) and len(rows) == 12 * 8  # every batch full
+    trained = {(r["group_id"], r["prompt_index"]) for r in rows}
+    later = [r["prompt_index"] for r in rows if r["step"] >= state["killed_at"]]
+    for group_id, prompt_index in state["held"]:  # each group it held trained, or its prompt was generated again
+        assert (group_id, prompt_index) in trained or prompt_index in later
+    # after the re-attach the restarted server samples from the pushed weights of each token's version
+    after = [r for r in rows if r["worker_id"] == 1 and r["step"] > 6]
+    assert after, "the restarted server took no work after it was re-attached"
+    model = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
+    single = [r for r in after if len(set(r["versions"])) == 1]  # (a completion a push overtook mixes versions)
+    assert len(single) >= 4
+    for r in single:
+        loaded = model.load_state_dict(trainer.snapshots[r["versions"][0]], strict=False)
+        assert not loaded.unexpected_keys and len(loaded.missing_keys) <= 1  # (lm_head, tied to the embedding)
+        ids = torch.tensor([r["prompt_ids"] + r["completion_ids"]])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(r["prompt_ids"]) - 1 : -1]
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r["completion_ids"])[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(r["logprobs"]), expected, rtol=0, atol=1e-3)
