@@ -34,6 +34,7 @@ BASE = dict(output_dir="/tmp/trl_async_cfg", report_to=[], bf16=False, use_cpu=T
         ("dynamic_sampling", "yes", "True or False"),
         ("dynamic_sampling_limit", 0, "generation batches >= 1, or None"),
         ("rollout_consumption_window", 0, "whole number of groups >= 1"),
+        ("rollout_consumption_window", True, "whole number of groups >= 1"),
         ("rollout_vllm_down_limit_s", 0, "positive number of seconds, or None"),
         ("rollout_vllm_adapter_dir", 3, "directory path the vLLM servers can read"),
     ],

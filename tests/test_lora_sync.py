@@ -134,6 +134,17 @@ def test_what_cannot_go_adapter_only_is_named(lora, reason):
     assert blocker == reason if reason is None else reason in blocker
 
 
+def teacher_forced(reference, params: dict, snapshot: dict, record: dict, temperature: float = 1.0) -> torch.Tensor:
+    """The log-probs of a trajectory row's completion under ``reference`` (a peft model whose ``params`` are set to
+    ``snapshot``, one version's adapters): what the sampler's mu must equal."""
+    with torch.no_grad():
+        for n, t in snapshot.items():
+            params[n].copy_(t)
+        ids = torch.tensor([record["prompt_ids"] + record["completion_ids"]])
+        logits = reference(input_ids=ids).logits[0, len(record["prompt_ids"]) - 1 : -1] / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(record["completion_ids"])[:, None])[:, 0]
+
+
 class VersionedTrainer(AsyncGRPOTrainer):
     """Keeps the adapter parameters of every published version."""
 
@@ -181,14 +192,8 @@ def test_workers_sample_from_the_trainers_adapted_model_of_each_version(tmp_path
     assert len(versions_seen) >= 2, versions_seen
     checked, stale_caught, errors = 0, 0, []
     for version in sorted(versions_seen):
-        with torch.no_grad():
-            for n, t in trainer.snapshots[version].items():
-                params[n].copy_(t)
         for r in records:
-            ids = torch.tensor([r["prompt_ids"] + r["completion_ids"]])
-            with torch.no_grad():
-                logits = reference(input_ids=ids).logits[0, len(r["prompt_ids"]) - 1 : -1] / temperature
-            expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r["completion_ids"])[:, None])[:, 0]
+            expected = teacher_forced(reference, params, trainer.snapshots[version], r, temperature)
             for t, v in enumerate(r["versions"]):
                 if v == version:
                     errors.append((abs(r["logprobs"][t] - float(expected[t])), version, t))

@@ -92,12 +92,19 @@ def test_a_server_that_cannot_serve_the_adapters_is_named_with_the_flag_to_add()
     from trl_async.engines.vllm.backend import lora_blocker
 
     info = lambda lora: {"vllm_config": {"lora_config": lora}}  # noqa: E731 - /server_info's shape
-    url, leaves = "http://s:1", {"q_proj", "v_proj"}
+    url, leaves = "http://s:1", {"q_proj", "v_proj", "down_proj"}
     assert "started without LoRA: add --enable-lora --max-lora-rank 8" in lora_blocker(info(None), url, 8, leaves)
-    assert "rank 8 at most" in lora_blocker(info({"max_lora_rank": 8}), url, 16, leaves)
+    assert "--max-lora-rank 8 (and VLLM_ALLOW" in lora_blocker(info(None), url, 4, leaves)  # vLLM has no rank 4
+    assert "rank 8 at most (--max-lora-rank) and these adapters need 12 (--max-lora-rank 16)" in lora_blocker(
+        info({"max_lora_rank": 8}), url, 12, leaves
+    )
     assert lora_blocker(info({"max_lora_rank": 16}), url, 16, leaves) is None
+    # vLLM packs q/k/v into one qkv_proj layer: naming any of them, or qkv_proj, adapts all three
     only_q = info({"max_lora_rank": 16, "target_modules": ["q_proj"]})
-    assert "--lora-target-modules), not ['v_proj']" in lora_blocker(only_q, url, 16, leaves)
+    assert "--lora-target-modules), not ['down_proj']" in lora_blocker(only_q, url, 16, leaves)
+    packed = info({"max_lora_rank": 16, "target_modules": ["qkv_proj", "down_proj"]})
+    assert lora_blocker(packed, url, 16, leaves) is None
+    assert "not ['q_proj', 'v_proj']" in lora_blocker(info({"max_lora_rank": 16, "target_modules": ["down_proj"]}), url, 16, leaves)
 
 
 def test_cut_after_first_eos():
@@ -315,6 +322,33 @@ def test_of_equally_loaded_servers_the_one_idle_longest_gets_the_next_group():
         for s in stubs:
             s.close()
     assert workers == [0, 1, 0, 1]
+
+
+@pytest.mark.unit
+def test_a_server_back_while_no_other_works_makes_take_ask_for_a_weight_sync():
+    """Re-attaching happens at a weight sync, and with no lane taking work no training step would ever bring one:
+    ``take`` returns None for the trainer to publish again (trainer.py), and keeps the groups it had for later."""
+    from trl_async.engines.vllm.reattach import Return
+
+    stub = _StubServer()  # holds its requests until released
+    pool = _pool_over([stub], queue_size=3)
+    try:
+        _wait_until(lambda: stub.received == 3)
+        lane = pool.lanes.workers[0]
+        lane.returning = Return(stub.url, {}, None, 10, lambda: False, state="back", back_at=time.time())
+        assert pool.backend.resync_wanted and lane.max_outstanding == 0
+        stub.release.set()
+        _wait_until(lambda: len(pool._ready) == 3)
+        assert pool.take(4, consumer_version=0) is None  # 3 ready, and no fourth can come
+        assert len(pool._ready) == 3  # the groups it had taken are back in the queue
+        lane.returning.attach(time.time())  # (what the weight sync does, backend._reattach)
+        assert not pool.backend.resync_wanted
+        groups, _ = pool.take(3, consumer_version=0)
+    finally:
+        stub.release.set()
+        pool.close()
+        stub.close()
+    assert sorted(g.group.group_id for g in groups) == [0, 1, 2]
 
 
 @pytest.mark.unit

@@ -11,7 +11,7 @@ import urllib.request
 import torch
 from peft import LoraConfig
 
-from tests.test_lora_sync import VersionedTrainer
+from tests.test_lora_sync import VersionedTrainer, teacher_forced
 from tests.test_vllm_backend import PROMPTS, _dataset, _reward, _vllm_args
 from trl_async.engines.vllm.client import VLLMServer
 
@@ -54,6 +54,10 @@ def test_each_version_is_a_named_adapter_and_mu_is_the_adapted_models(tmp_path, 
         assert resident == sorted(held_back) + list(range(max(0, published - keep), published)), trainer.resident
     assert not [m for m in _served_models(vllm_server.url) if m.startswith("trl_async-")]  # unloaded at the end
     assert not any(adapter_dir.iterdir())
+    # and only once the server ran none of the requests training abandoned (one that needs a deleted adapter's files
+    # kills vLLM's engine): the server still serves
+    params = {"n": 1, "max_tokens": 4, "temperature": 0.0, "logprobs": 0, "ignore_eos": True}
+    assert len(VLLMServer(vllm_server.url).generate(PROMPTS[0], params)[0].token_ids) == 4
 
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
@@ -65,14 +69,8 @@ def test_each_version_is_a_named_adapter_and_mu_is_the_adapted_models(tmp_path, 
     assert len(versions_seen) >= 3 and all(len(set(r["versions"])) == 1 for r in records)  # a request, a version
     errors, stale_caught, checked = [], 0, 0
     for version in sorted(versions_seen):
-        with torch.no_grad():
-            for n, t in trainer.snapshots[version].items():
-                params[n].copy_(t)
         for r in records:
-            ids = torch.tensor([r["prompt_ids"] + r["completion_ids"]])
-            with torch.no_grad():
-                logits = reference(input_ids=ids).logits[0, len(r["prompt_ids"]) - 1 : -1]
-            expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r["completion_ids"])[:, None])[:, 0]
+            expected = teacher_forced(reference, params, trainer.snapshots[version], r)
             gap = max(abs(a - float(b)) for a, b in zip(r["logprobs"], expected, strict=True))
             if r["versions"][0] == version:
                 errors.append((gap, version))

@@ -386,7 +386,7 @@ class AsyncFields:
             "set a positive number of seconds, or None to wait for a lost server as long as others work",
         )
         need(
-            self.rollout_vllm_adapter_dir is None or isinstance(self.rollout_vllm_adapter_dir, str),
+            self.rollout_vllm_adapter_dir is None or isinstance(self.rollout_vllm_adapter_dir, (str, os.PathLike)),
             "rollout_vllm_adapter_dir",
             "set a directory path the vLLM servers can read, or None for the temporary directory",
         )
@@ -451,7 +451,7 @@ class AsyncFields:
         need(isinstance(self.dynamic_sampling, bool), "dynamic_sampling", "set True or False")
         need(
             self.rollout_consumption_window is None
-            or (isinstance(self.rollout_consumption_window, int) and self.rollout_consumption_window >= 1),
+            or (type(self.rollout_consumption_window) is int and self.rollout_consumption_window >= 1),
             "rollout_consumption_window",
             "set None (arrival order) or a whole number of groups >= 1 (1: strict admission order)",
         )

@@ -299,12 +299,16 @@ class AsyncGRPOTrainer(GRPOTrainer):
             finally:
                 self.rollout_func = rollout_func
         self._ensure_pool()
-        payload = [None]
-        if self._pool is not None:  # main process: take the next generation batch for all ranks
-            payload = [self._pool.take(self._groups_per_batch, self.state.global_step)]
-        if self.accelerator.num_processes > 1:
-            self._check_all_ranks_arrive("the next rollout batch")
-            payload = broadcast_object_list(payload, from_process=0)
+        while True:
+            payload = [None]
+            if self._pool is not None:  # main process: take the next generation batch for all ranks
+                payload = [self._pool.take(self._groups_per_batch, self.state.global_step)]
+            if self.accelerator.num_processes > 1:
+                self._check_all_ranks_arrive("the next rollout batch")
+                payload = broadcast_object_list(payload, from_process=0)
+            if payload[0] is not None:
+                break
+            self._publish_weights(self.state.global_step)  # a server is back and none works: re-attach it (all ranks)
         groups, stats = payload[0]
         # GRPOTrainer gives each rank a contiguous slice of the generation batch's rows (groups stay contiguous in
         # the global order, which its gathered-reward advantage computation relies on)

@@ -66,7 +66,8 @@ class Lanes:
                 self._replace(i, w.exit_reason())
             elif w.silent_for(now) > self.settings.heartbeat_timeout_s:
                 silent = w.silent_for(now)
-                self._replace(i, f"sent no heartbeat for {silent:.1f}s (hung, stopped or down; killed)")
+                why = "failed a request while down" if silent == float("inf") else f"sent no heartbeat for {silent:.1f}s"
+                self._replace(i, f"{why} (hung, stopped or down; killed)")
 
     def stop(self, timeout_s: float) -> None:
         """Stop every lane; each worker process is joined (killed if it does not stop in time)."""

@@ -143,8 +143,10 @@ class RolloutPool:
             self._cv.notify_all()
         return time.perf_counter() - start
 
-    def take(self, n: int, consumer_version: int) -> tuple[list[ScoredGroup], TakeStats]:
-        """Block until ``n`` fresh scored groups are ready and return them (oldest first)."""
+    def take(self, n: int, consumer_version: int) -> tuple[list[ScoredGroup], TakeStats] | None:
+        """Block until ``n`` fresh scored groups are ready and return them (oldest first). ``None``: nothing can come
+        until the weights are published again (a vLLM server came back while no other worked: it is re-attached at
+        a weight sync); the trainer publishes and takes again."""
         start, started_at = time.perf_counter(), time.time()
         deadline = start + self.settings.timeout_s
         taken: list[ScoredGroup] = []
@@ -165,13 +167,18 @@ class RolloutPool:
                     taken.append(replace(scored, staleness=s))
                 if len(taken) == n:
                     break
+                if self.backend.resync_wanted:
+                    self._ready.extendleft(reversed(taken))  # back in front, in order (staleness worked out again)
+                    return None
                 if time.perf_counter() > deadline:
                     raise TimeoutError(
                         f"waited {self.settings.timeout_s:.0f}s (rollout_timeout_s) for {n - len(taken)} more rollout "
                         f"groups at trainer version {consumer_version}; published version {self._published}, "
                         f"admitted {self._admitted}, consumed {self._consumed}, filtered {self.filtered_groups} "
                         f"(dynamic_sampling), worker versions "
-                        f"{self.worker_versions}, workers alive {[w.is_alive() for w in self.lanes.workers]}"
+                        f"{self.worker_versions}, workers alive {[w.is_alive() for w in self.lanes.workers]}, taking "
+                        f"work {[w.max_outstanding > 0 for w in self.lanes.workers]}, ready {len(self._ready)} "
+                        f"(rollout_consumption_window={self.settings.consumption_window})"
                     )
                 self._cv.wait(timeout=0.2)
             self._consumed += n

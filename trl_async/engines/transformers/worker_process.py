@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from ...records import RolloutTask
 from ...sync.shared_memory import Digest, SharedMemoryWeights
+from ..held import HoldsTasks
 from .worker import WorkerSpec, worker_main
 
 STARTUP_GRACE_S = 120.0  # a starting worker imports torch and builds its model before its first heartbeat
@@ -54,7 +55,7 @@ def _worker_environment():
 
 
 @dataclass(eq=False)
-class WorkerProcess:
+class WorkerProcess(HoldsTasks):
     spec: WorkerSpec
     process: object
     tasks: object  # Connection: trainer -> worker
@@ -108,15 +109,6 @@ class WorkerProcess:
         """Seconds since the last heartbeat (negative during the start-up grace)."""
         return now - self.heartbeat.value
 
-    def send(self, chunk: list[RolloutTask]) -> None:
-        self.register(chunk)
-        self.transmit(chunk)
-
-    def register(self, chunk: list[RolloutTask]) -> None:
-        """Count ``chunk`` as held by this worker (the pool does this under its lock)."""
-        for task in chunk:
-            self.outstanding[task.key] = task
-
     def transmit(self, chunk: list[RolloutTask]) -> None:
         """Pipe a registered chunk to the worker (outside the pool's lock: a chunk of long contexts can fill the
         pipe until the worker reads it)."""
@@ -169,6 +161,7 @@ class ProcessBackend:
     ``base_specs`` the frozen rest, in one shared buffer published once (``publish_base``)."""
 
     restartable = True
+    resync_wanted = False  # a restarted worker reads the shared weights itself: no publish is needed to re-attach it
 
     def __init__(
         self, specs: list[WorkerSpec], weight_specs: dict, groups_per_call: int, base_specs: dict | None = None

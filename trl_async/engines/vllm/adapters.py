@@ -27,14 +27,18 @@ import json
 import shutil
 import tempfile
 import threading
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+from transformers.utils import logging
 
 from .client import VLLMServer
 from .weights import _all
+
+logger = logging.get_logger(__name__)
 
 
 def adapter_config(rank: int, targets: Sequence[str]) -> dict:
@@ -59,6 +63,14 @@ def write_adapter(directory: Path, tensors: dict[str, torch.Tensor], rank: int) 
     return directory
 
 
+def _error_of(call: Callable[[], object]) -> Exception | None:
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the caller decides (a lost server's, or raised)
+        return exc
+    return None
+
+
 class ServedAdapters:
     """The versions loaded on the servers, which requests use them, and which may go. Thread-safe: lanes'
     request threads acquire and release; the trainer's publish loads and prunes."""
@@ -79,17 +91,31 @@ class ServedAdapters:
     def name(self, version: int) -> str:
         return f"trl_async-{self.run}-v{version}"
 
-    def publish(self, tensors: dict[str, torch.Tensor], rank: int, version: int, servers=None) -> None:
-        """Write ``version``'s adapter, load it on every server (or on ``servers``: those up now), make it the one
-        new requests use, and unload what is past the bound."""
-        path = write_adapter(self.directory / f"v{version}", tensors, rank)
+    def publish(self, tensors: dict[str, torch.Tensor], rank: int, version: int, servers=None) -> list[bool]:
+        """Write ``version``'s adapter, load it on every server (or on ``servers``: those attached or coming back),
+        make it the one new requests use, and unload what is past the bound. Returns, per server, whether it loaded
+        it: a server that failed to and no longer answers is lost (its lane is replaced and waits for it); one that
+        answers and failed raises. Publishing a version again (a server came back while none worked) reuses its
+        files."""
+        targets = list(servers or self.servers)
+        path = self.directory / f"v{version}"
         with self._lock:
-            self.resident.append(version)  # before the loads: if one fails, close() still unloads the others
-        _all(servers or self.servers, lambda s: s.load_lora_adapter(self.name(version), str(path)))
+            again = version in self.resident
+        if not again:
+            write_adapter(path, tensors, rank)
+            with self._lock:
+                self.resident.append(version)  # before the loads: if one fails, close() still unloads the others
+        errors = _all(targets, lambda s: _error_of(lambda: s.load_lora_adapter(self.name(version), str(path))))
+        for server, error in zip(targets, errors, strict=True):
+            if error is not None and server.healthy(timeout_s=2.0):
+                raise error
         with self._lock:
             self.current = version
             self._ready.notify_all()
-        self.prune(servers)
+        loaded = [error is None for error in errors]
+        if any(loaded):
+            self.prune([s for s, ok in zip(targets, loaded, strict=True) if ok])
+        return loaded
 
     def acquire(self, timeout_s: float | None = None) -> tuple[str, int]:
         """The newest version's adapter name and version, held until ``release``."""
@@ -128,13 +154,21 @@ class ServedAdapters:
                     server.load_lora_adapter(self.name(-1), str(path))
                     server.unload_lora_adapter(self.name(-1))
                 except Exception as exc:  # noqa: BLE001 - reported as the reason for merged pushes
-                    return f"vLLM server {server.url} could not load a LoRA adapter of these shapes: {exc}"
+                    return (f"vLLM server {server.url} could not load a LoRA adapter of these shapes: {exc} (a 404 "
+                            "means no runtime LoRA loading: start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, as "
+                            "`python -m trl_async.vllm_serve` does)")  # fmt: skip
             return None
         finally:
             shutil.rmtree(path, ignore_errors=True)
 
-    def close(self) -> None:
-        """Unload this run's adapters (best effort: a server may be gone) and delete their files."""
+    def close(self, drain_s: float = 30.0) -> None:
+        """Unload this run's adapters (best effort: a server may be gone) and delete their files, once no server runs
+        a request any more. The lanes' abandoned requests are cancelled by each server at its next step, and until
+        then a request may need its adapter loaded again from its files: if they are gone, vLLM's engine dies
+        (LoRAAdapterNotFoundError, seen in the tests). A server still busy after ``drain_s`` (shared with another
+        client?) keeps the files, with a warning naming the directory."""
+        deadline = time.monotonic() + drain_s
+        busy = [s.url for s in self.servers if not _drained(s, deadline)]
         for version in list(self.resident):
             for server in self.servers:
                 try:
@@ -142,5 +176,25 @@ class ServedAdapters:
                 except Exception:  # noqa: BLE001 - cleanup of a server that may have stopped
                     pass
         self.resident = []
+        if busy:
+            logger.warning("vLLM servers %s still run requests %.0fs after training ended: this run's adapter files "
+                           "are left in %s for them (delete it when they are done)", busy, drain_s, self.directory)  # fmt: skip
+            return
         shutil.rmtree(self.directory, ignore_errors=True)
 
+
+def _drained(server: VLLMServer, deadline: float) -> bool:
+    """Whether ``server`` runs no request (or is gone) by ``deadline``. Its gauges change only when its engine steps,
+    and cancelling a request is no step: a one-token request of the base model every second makes it step (the
+    gauges then count what is really left)."""
+    nudge = {"token_ids": [1, 2, 3], "sampling_params": {"n": 1, "max_tokens": 1, "temperature": 0.0}}
+    while True:
+        try:
+            if server.requests_in_flight() == 0:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            server.request("POST", "/inference/v1/generate", nudge, timeout_s=10.0, retry=False)
+        except Exception:  # noqa: BLE001 - a server that does not answer runs nothing of ours to protect
+            return True
+        time.sleep(1.0)

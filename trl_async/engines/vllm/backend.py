@@ -118,14 +118,21 @@ class VLLMBackend:
         return [i for i, ln in enumerate(self.current) if ln is not None and ln.returning and ln.returning.state == "back"]
 
     def _live(self, back: list[int]) -> list[int]:
-        """The servers to sync now: attached ones that answer, and ``back``, those being re-attached."""
-        return [i for i, ln in enumerate(self.current) if i in back or (ln is not None and ln.attached
-                                                                       and self.servers[i].healthy(timeout_s=2.0))]  # fmt: skip
+        """The servers to sync now: ``back`` (being re-attached) and the attached ones; with merged pushes only those
+        that answer (a dead one in the push group would fail the push; it is skipped and its lane is replaced)."""
+        return [i for i, ln in enumerate(self.current) if i in back or (ln is not None and ln.attached and (
+            self.plan is not None or self.servers[i].healthy(timeout_s=2.0)))]  # fmt: skip
 
     @property
     def needs_base(self) -> bool:
         """Adapter-only sync: a server came back and must get the frozen base before its first adapter."""
         return self.plan is not None and bool(self._back())
+
+    @property
+    def resync_wanted(self) -> bool:
+        """A server is back while no lane takes work: training waits for groups that only a weight sync can bring
+        (the trainer then publishes its current weights again; RolloutPool.take)."""
+        return bool(self._back()) and not any(ln is not None and ln.attached for ln in self.current)
 
     @property
     def publish_target(self) -> None:
@@ -138,6 +145,9 @@ class VLLMBackend:
         server first, later to the servers that came back."""
         if self.pusher.pushes:  # returning servers: a group of their own (the others keep their base and adapters)
             self._based = self._back()  # (one seen back after this waits for the next publish)
+            if not self._based:  # it went down again meanwhile
+                _drain(buckets)
+                return
             self._regroup(self._based)
         self.pusher.push(buckets, version, self.pause_mode)
 
@@ -150,39 +160,50 @@ class VLLMBackend:
         self._based = []
         live = self._live(back)
         if not live:  # every server is down: nothing to sync; the lanes wait for one to come back (reattach.py)
+            _drain(buckets)  # (every rank streams to the end: under ZeRO-3 each bucket is a gather)
             return
         if self.plan is not None:
             tensors = {name: t.detach().clone() for bucket in buckets for name, t in bucket}
-            self.served.publish(*served_adapter(self.plan.merges, tensors), version, [self.servers[i] for i in live])
+            loaded = self.served.publish(*served_adapter(self.plan.merges, tensors), version,
+                                         [self.servers[i] for i in live])  # fmt: skip
+            live = [i for i, ok in zip(live, loaded, strict=True) if ok]
         else:
             if live != self._members:  # a server was lost or came back: a new group over the ones up now
                 self._regroup(live)
             self.pusher.push(buckets, version, self.pause_mode)
+        peers = [i for i in live if i not in back]
         for i in back:
-            self._reattach(i, version)
-        for lane in self.current:
-            if lane is not None and lane.attached:
-                lane.adopted(version)
+            if i in live:
+                self._reattach(i, version, peers)
+        for i in live:
+            if self.current[i].attached:
+                self.current[i].adopted(version)
 
     def _regroup(self, members: list[int]) -> None:
         self.pusher = VLLMWeightPusher([self.servers[i] for i in members], *self._transport, self._pushed_specs)
         self._members = members
 
-    def _reattach(self, index: int, version: int) -> None:
-        """A server that came back now holds ``version``: check that it samples as a peer does, then give it work."""
+    def _reattach(self, index: int, version: int, peers: list[int]) -> None:
+        """A server that came back now holds ``version``: check that it samples as a peer does, then give it work. A
+        server whose greedy output differs is left out (warned; training goes on with the others)."""
         lane, adapter = self.current[index], (self.served.name(version), version) if self.served else None
-        peers = [i for i, ln in enumerate(self.current) if ln is not None and ln.attached]
+        back_at = lane.returning.back_at
+        if lane.returning.state != "back" or back_at is None:  # gone again during the sync: the next publish retries
+            return
         if peers:
             params = {"n": 1, "max_tokens": 8, "temperature": 0.0, "logprobs": 0, "ignore_eos": True}
             mine, theirs = (self.servers[i].generate(PROBE, params, adapter=adapter)[0].token_ids for i in (index, peers[0]))
             if mine != theirs:
-                raise VLLMServerError(
+                lane.returning.state = "refused"
+                logger.warning(
                     f"vLLM server {lane.describe()} came back, but after the weight sync its greedy output {mine} "
-                    f"differs from {self.servers[peers[0]].url}'s {theirs} on the same version {version}: refused"
+                    f"differs from {self.servers[peers[0]].url}'s {theirs} on the same version {version}: it gets "
+                    "no more work in this run"
                 )
+                return
         seconds = lane.returning.attach(time.time())
         self.reattached.append({"url": lane.spec.url, "down_to_working_s": seconds,
-                                "back_to_working_s": time.time() - lane.returning.back_at})  # fmt: skip
+                                "back_to_working_s": time.time() - back_at})  # fmt: skip
         logger.warning("vLLM server %s re-attached at version %d, %.1fs after it was lost%s", lane.spec.url, version,
                        seconds, "" if peers else " (no other server to compare its output with)")  # fmt: skip
 
@@ -193,17 +214,37 @@ class VLLMBackend:
             self.served.close()
 
 
+def _drain(buckets: Buckets) -> None:
+    for _ in buckets:
+        pass
+
+
+# vLLM's --max-lora-rank choices (vllm/config/lora.py) and the packed modules of the common decoder models (a
+# --lora-target-modules entry covers its packed parent's children, and a child covers its parent)
+LEGAL_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+PACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+          "up_proj": "gate_up_proj"}  # fmt: skip
+
+
 def lora_blocker(info: dict, url: str, rank: int, leaves: set[str]) -> str | None:
     """Why the server described by ``info`` (``/server_info``) cannot serve an adapter of ``rank`` on the modules
     named ``leaves``, or None."""
     lora = (info.get("vllm_config") or {}).get("lora_config")
+    flag = next((r for r in LEGAL_LORA_RANKS if r >= rank), rank)
     if not lora:
-        return (f"vLLM server {url} was started without LoRA: add --enable-lora --max-lora-rank {rank} "
+        return (f"vLLM server {url} was started without LoRA: add --enable-lora --max-lora-rank {flag} "
                 f"(and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, which `python -m trl_async.vllm_serve` sets)")  # fmt: skip
     if lora.get("max_lora_rank", 0) < rank:
         return (f"vLLM server {url} serves LoRA rank {lora.get('max_lora_rank')} at most (--max-lora-rank) and these "
-                f"adapters need {rank}")  # fmt: skip
-    missing = sorted(leaves - set(lora.get("target_modules") or leaves))
+                f"adapters need {rank} (--max-lora-rank {flag})")  # fmt: skip
+    targets = set(lora.get("target_modules") or ())
+
+    def covered(leaf: str) -> bool:  # itself, its packed parent, or a sibling packed with it (the same vLLM layer)
+        parent = PACKED.get(leaf)
+        return leaf in targets or (parent is not None and (parent in targets or any(
+            PACKED.get(t) == parent for t in targets)))  # fmt: skip
+
+    missing = sorted(leaf for leaf in leaves if targets and not covered(leaf))
     if missing:  # vLLM would load the adapter and silently not apply it to these modules
         return f"vLLM server {url} applies LoRA only to {lora['target_modules']} (--lora-target-modules), not {missing}"
     return None

@@ -220,6 +220,12 @@ class VLLMServer:
                 raise VLLMServerError(f"vLLM server {self.url} was not healthy (GET /health) within {timeout_s:.0f}s")
             time.sleep(0.5)
 
+    def requests_in_flight(self, timeout_s: float = 2.0) -> int:
+        """The requests the server is running or has waiting (its Prometheus gauges, summed over its engines)."""
+        text = self._once("GET", "/metrics", None, timeout_s).get("text", "")
+        names = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+        return round(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(names)))
+
     def world_size(self) -> int:
         return int(self.request("GET", "/get_world_size")["world_size"])
 

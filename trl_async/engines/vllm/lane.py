@@ -10,6 +10,7 @@ lost), and a request that fails is retried with backoff for ``rollout_vllm_retry
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import threading
 import time
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from multiprocessing import Pipe
 
 from ...records import RolloutGroup, RolloutTask, WeightsAdopted, WorkerFailed
+from ..held import HoldsTasks
 from .adapters import ServedAdapters
 from .client import VLLMServer, VLLMServerError
 from .reattach import Return
@@ -47,7 +49,7 @@ def cut_after_eos(token_ids: Sequence[int], eos_token_ids: Sequence[int]) -> int
 
 
 @dataclass(eq=False)
-class VLLMLane:
+class VLLMLane(HoldsTasks):
     spec: VLLMLaneSpec
     capacity: int  # most groups it holds at once
     restarts: int = 0
@@ -71,6 +73,7 @@ class VLLMLane:
         self._tasks: queue.Queue[RolloutTask | None] = queue.Queue()
         self._stopped = threading.Event()
         self._last_healthy = time.time()
+        self._gave_up = False  # a request failed with its server down: lost, whatever the server does next
         self._turn_slots = threading.BoundedSemaphore(self.spec.max_requests)  # requests of multi-context tasks
         # daemon threads: a request stuck on a hung server must not keep the interpreter from exiting
         for i in range(self.spec.max_requests):
@@ -83,15 +86,7 @@ class VLLMLane:
     def worker_id(self) -> int:
         return self.spec.worker_id
 
-    # ---- the pool's view (same as WorkerProcess) ---------------------------------------------------------------
-    def send(self, chunk: list[RolloutTask]) -> None:
-        self.register(chunk)
-        self.transmit(chunk)
-
-    def register(self, chunk: list[RolloutTask]) -> None:
-        for task in chunk:
-            self.outstanding[task.key] = task
-
+    # ---- the pool's view (HoldsTasks) --------------------------------------------------------------------------
     def transmit(self, chunk: list[RolloutTask]) -> None:
         for task in chunk:
             self._tasks.put(task)
@@ -105,7 +100,7 @@ class VLLMLane:
     def silent_for(self, now: float) -> float:
         if not self.attached:  # waiting for its server: its Return watches the limits
             return 0.0
-        return now - self._last_healthy
+        return math.inf if self._gave_up else now - self._last_healthy
 
     def describe(self) -> str:
         return f"vLLM server {self.spec.url}"
@@ -153,8 +148,10 @@ class VLLMLane:
                 self._post(self._generate(task))
             except Exception as exc:  # noqa: BLE001 - reported to the pool, which raises it on the trainer's thread
                 if not self.server.healthy(timeout_s=2.0):
-                    # the server is down: the task stays outstanding, the lane goes silent, and the pool's health
-                    # check replaces it (what it held is generated elsewhere; reattach.py waits for the server)
+                    # the server is down: the task stays outstanding, the lane goes silent at once (even if the
+                    # server answers again meanwhile), and the pool's health check replaces it (what it held is
+                    # generated elsewhere; reattach.py waits for the server)
+                    self._gave_up = True
                     continue
                 self._post(WorkerFailed(self.worker_id, f"vLLM server {self.spec.url}: {exc}"))
 
