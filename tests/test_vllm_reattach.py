@@ -75,7 +75,7 @@ def test_a_killed_server_restarted_on_its_port_is_reattached_and_nothing_is_lost
             if train_state.global_step == 2:
                 second.stop()
                 state["held"] = [(t.group_id, t.prompt_index) for t in pool.outstanding(1)]
-                state["killed_at"] = train_state.global_step
+                state["killed_at"], state["killed_time"] = train_state.global_step, time.time()
 
                 def restart():
                     state["restarted"] = start_server(vllm_model_dir, tmp_path / "b2.log", port=port)
@@ -91,6 +91,13 @@ def test_a_killed_server_restarted_on_its_port_is_reattached_and_nothing_is_lost
                     if returning is not None and returning.state in ("back", "attached"):
                         break
                     assert time.monotonic() < deadline, "the restarted server was not seen back"
+                    time.sleep(0.2)
+            if train_state.global_step == 7:  # re-attached at the publish after step 6: hold training (a step takes
+                # ~50 ms here) until the restarted server has returned a group, which then trains at staleness <= 1
+                deadline = time.monotonic() + 90
+                while not any(kind == "generate" and worker == 1 and start > state["killed_time"]
+                              for kind, worker, start, _ in list(pool.activity)):  # fmt: skip
+                    assert time.monotonic() < deadline, "the re-attached server returned no group"
                     time.sleep(0.2)
 
     args = _vllm_args(tmp_path, vllm_server.url, max_steps=12, max_staleness=1, rollout_heartbeat_timeout_s=3,
@@ -119,7 +126,7 @@ def test_a_killed_server_restarted_on_its_port_is_reattached_and_nothing_is_lost
     for group_id, prompt_index in state["held"]:  # each group it held trained, or its prompt was generated again
         assert (group_id, prompt_index) in trained or prompt_index in later
     # after the re-attach the restarted server samples from the pushed weights of each token's version
-    after = [r for r in rows if r["worker_id"] == 1 and r["step"] > 6]
+    after = [r for r in rows if r["worker_id"] == 1 and r["step"] > state["killed_at"]]  # the restarted server's
     assert after, "the restarted server took no work after it was re-attached"
     model = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
     single = [r for r in after if len(set(r["versions"])) == 1]  # (a completion a push overtook mixes versions)
