@@ -46,7 +46,7 @@ class Return:
     down_limit_s: float | None
     retry_s: float
     others_attached: Callable[[], bool]  # whether any other lane is taking work
-    state: str = "down"  # "down" -> "back" -> "attached"
+    state: str = "down"  # "down" -> "back" -> "attached", or "refused" (backend._reattach: its probe differed)
     down_since: float = field(default_factory=time.time)
     back_at: float | None = None
     _warned_at: float = field(default_factory=time.time)
