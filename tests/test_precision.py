@@ -110,13 +110,47 @@ def test_cpuinfo_flags_are_the_first_processors_x86_flags_or_arm_features():
 
 
 @pytest.mark.unit
-def test_this_machines_cpuinfo_agrees_with_torchs_own_check():
+def test_this_machines_cpuinfo_agrees_with_torchs_own_check(monkeypatch):
     # two independent readings of the same CPU: /proc/cpuinfo's flags and torch's cpuid-based check (oneDNN's)
     if platform.machine().lower() not in ("x86_64", "amd64") or not os.path.exists("/proc/cpuinfo"):
         pytest.skip("torch's AVX512-BF16 check is x86's, /proc/cpuinfo Linux's")
     flags = cpuinfo_flags(open("/proc/cpuinfo").read())
     assert native_precision("cpu", platform.machine(), flags).bf16 == torch.cpu._is_avx512_bf16_supported()
-    assert device_precision("cpu").bf16 == torch.cpu._is_avx512_bf16_supported()
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):  # uncapped: the CPU's own answer
+        monkeypatch.delenv(name, raising=False)
+    device_precision.cache_clear()
+    try:
+        assert device_precision("cpu").bf16 == torch.cpu._is_avx512_bf16_supported()
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # capped: emulated on every CPU, whatever its flags
+        device_precision.cache_clear()
+        assert not device_precision("cpu").bf16 and "capped at AVX2" in device_precision("cpu").why
+    finally:
+        device_precision.cache_clear()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "cap, bf16, fp16",
+    [
+        (None, True, True),
+        ("AVX2", False, False),  # what an AVX2-only CPU computes: both emulated
+        ("avx512_core", False, False),  # AVX-512 without its bf16 level; the name is read case-blind
+        ("AVX512_CORE_BF16", True, False),  # the bf16 level, below fp16's
+        ("AVX10_1_512", True, True),  # AVX512_CORE_FP16's other name
+        ("AVX512_CORE_AMX", True, True),
+        ("DEFAULT", True, True),  # no cap
+        ("AVX10_2_512", True, True),  # a level newer than the list caps nothing listed
+    ],
+)
+def test_a_onednn_isa_cap_below_a_dtypes_level_makes_it_emulated(cap, bf16, fp16):
+    # Measured on an AMD EPYC with AVX512-BF16 (one thread, a 1760 x 576 by 576 x 1536 linear): bf16 12.3 ms,
+    # with ONEDNN_MAX_CPU_ISA=AVX2 155.9 ms, while float32 stayed at 38-53 ms
+    native = native_precision("cpu", "x86_64", frozenset(XEON_SAPPHIRE_RAPIDS), onednn_max_isa=cap)
+    assert (native.bf16, native.fp16) == (bf16, fp16)
+    assert ("capped at" in native.why) == ((bf16, fp16) != (True, True))
+    # a cap never makes a CPU native, and it is x86's: ARM ignores it
+    assert not native_precision("cpu", "x86_64", frozenset(AMD_EPYC_AVX2), onednn_max_isa=cap).bf16
+    assert native_precision("cpu", "aarch64", frozenset(GRAVITON3), onednn_max_isa=cap).bf16
 
 
 @pytest.mark.unit

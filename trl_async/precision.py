@@ -15,6 +15,7 @@ autocast took 347 s against 13.3 s in float32 (26x slower); on an AMX Xeon, bf16
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,22 @@ ARM_BF16, ARM_FP16 = ("bf16", "FEAT_BF16"), ("asimdhp", "FEAT_FP16")
 # CUDA compute capabilities below Volta with full-rate fp16 (Tegra X1, P100, Jetson TX2); the rest of Pascal and
 # Maxwell run fp16 at 1/64 or less of the float32 rate
 CUDA_FAST_FP16_BEFORE_VOLTA = ((5, 3), (6, 0), (6, 2))
+# oneDNN's x86 ISA levels, oldest first (its `ONEDNN_MAX_CPU_ISA` names, with their AVX10 aliases): a cap below
+# AVX512_CORE_BF16 makes oneDNN, and with it torch's bf16 matmuls, emulate bf16 on any CPU; below AVX512_CORE_FP16,
+# fp16. Names it does not list here (DEFAULT, ALL, newer ISAs) cap nothing that matters for these two.
+ONEDNN_X86_ISAS = (
+    ("SSE41",),
+    ("AVX",),
+    ("AVX2",),
+    ("AVX2_VNNI",),
+    ("AVX2_VNNI_2",),
+    ("AVX512_CORE",),
+    ("AVX512_CORE_VNNI",),
+    ("AVX512_CORE_BF16",),
+    ("AVX512_CORE_FP16", "AVX10_1_512"),
+    ("AVX512_CORE_AMX", "AVX10_1_512_AMX"),
+    ("AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX_FP16"),
+)
 SLOWDOWN = "26x slower than float32 for a forward+backward of SmolLM2-135M, measured on an AVX2-only AMD EPYC"
 
 
@@ -51,13 +68,16 @@ def native_precision(
     cuda_capability: tuple[int, int] | None = None,
     cuda_bf16: bool | None = None,
     onednn: bool = True,
+    onednn_max_isa: str | None = None,
 ) -> NativePrecision:
     """Pure: which low precisions are native on ``device_type`` ('cpu', 'cuda', ...).
 
     CPU: ``machine`` is ``platform.machine()``, ``cpu_flags`` the CPU's feature flags. x86 computes bf16 natively
     with AVX512-BF16 or AMX-BF16 and fp16 with AVX512-FP16 or AMX-FP16 (AVX2's F16C only converts); ARM with its
     BF16 and FP16 (``asimdhp``) extensions, where torch reaches them through oneDNN (``onednn``: its macOS wheels
-    do not, and fall back to generic kernels). Any other CPU architecture is assumed not native.
+    do not, and fall back to generic kernels). Any other CPU architecture is assumed not native. On x86,
+    ``onednn_max_isa`` is oneDNN's dispatch cap (the ``ONEDNN_MAX_CPU_ISA`` environment variable): a cap below
+    AVX512_CORE_BF16 (AVX512_CORE_FP16) makes bf16 (fp16) emulated whatever the flags say.
     CUDA: ``cuda_bf16`` is ``torch.cuda.is_bf16_supported(including_emulation=False)`` where known (it also covers
     ROCm), else Ampere (8.0) or newer; fp16 is native from Volta (7.0), and on 5.3, 6.0 and 6.2.
     Other accelerators (MPS, XPU, ...) are not second-guessed: their runtime refuses what it cannot do."""
@@ -67,6 +87,15 @@ def native_precision(
         if machine in X86:
             kind, bf16_flags, fp16_flags = "x86 CPU", ("AVX512-BF16", "AMX-BF16"), ("AVX512-FP16", "AMX-FP16")
             bf16, fp16 = any(f in cpu_flags for f in X86_BF16), any(f in cpu_flags for f in X86_FP16)
+            level = onednn_isa_level(onednn_max_isa)
+            needs = (("bf16", bf16, "AVX512_CORE_BF16"), ("fp16", fp16, "AVX512_CORE_FP16"))
+            capped = [name for name, on, need in needs if on and level is not None and level < onednn_isa_level(need)]
+            if capped:
+                why = (
+                    f"{kind} {said(bf16, bf16_flags)}, {said(fp16, fp16_flags)}, but oneDNN is capped at "
+                    f"{onednn_max_isa} (ONEDNN_MAX_CPU_ISA), which emulates {' and '.join(capped)}"
+                )
+                return NativePrecision(bf16 and "bf16" not in capped, fp16 and "fp16" not in capped, why)
         elif machine in ARM:
             kind, bf16_flags, fp16_flags = "ARM CPU", ("BF16",), ("FP16",)
             bf16, fp16 = any(f in cpu_flags for f in ARM_BF16), any(f in cpu_flags for f in ARM_FP16)
@@ -83,6 +112,13 @@ def native_precision(
         gpu = f"CUDA device of compute capability {major}.{minor}" if cuda_capability else "CUDA device"
         return NativePrecision(bf16, fp16, f"{gpu} {said(bf16, ('native bf16',))}, {said(fp16, ('fast fp16',))}")
     return NativePrecision(True, True, f"{device_type} device: left to its runtime")
+
+
+def onednn_isa_level(name: str | None) -> int | None:
+    """Pure: the rank of a oneDNN x86 ISA name in ``ONEDNN_X86_ISAS`` (case-insensitive), or None for no name or one
+    that caps nothing listed there (DEFAULT, ALL, ISAs newer than the list)."""
+    name = (name or "").strip().upper()
+    return next((level for level, names in enumerate(ONEDNN_X86_ISAS) if name in names), None)
 
 
 def cpuinfo_field(cpuinfo: str, keys: tuple[str, ...]) -> str | None:
@@ -126,7 +162,9 @@ def device_precision(device: str | torch.device = "cpu") -> NativePrecision:
     device = torch.device(device)
     if device.type == "cpu":
         onednn = torch.backends.mkldnn.is_available()
-        return native_precision("cpu", platform.machine(), _read_cpu_flags(), onednn=onednn)
+        # oneDNN reads ONEDNN_MAX_CPU_ISA, or its older name, once, when it first dispatches
+        cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+        return native_precision("cpu", platform.machine(), _read_cpu_flags(), onednn=onednn, onednn_max_isa=cap)
     if device.type == "cuda" and torch.cuda.is_available():
         index = device.index if device.index is not None else torch.cuda.current_device()
         with torch.cuda.device(index):
