@@ -172,6 +172,18 @@ def run_one(spec: dict) -> dict:
         train_dataset=make_split("train", 512, seed=spec["seed"]),
         callbacks=[EvalEvery()],
     )
+    generate_s: list[float] = []  # GRPOTrainer's generation per step (one generate call a step here): its G
+    if spec["kind"] == "sync":
+        generate = trainer._generate
+
+        def timed_generate(*a, **k):
+            start = time.time()
+            try:
+                return generate(*a, **k)
+            finally:
+                generate_s.append(time.time() - start)
+
+        trainer._generate = timed_generate
     if spec["eval_every"]:
         evaluate(trainer, 0)
     before_train = eval_seconds[0]
@@ -201,6 +213,8 @@ def run_one(spec: dict) -> dict:
         "kl_behaviour_mean": mean("is/kl_behaviour"),
         "trainer_wait_s_mean": mean("async/trainer_wait_s"),
         "trainer_wait_s": [h.get("async/trainer_wait_s") for h in logs],  # per step: G of the synchronous schedule
+        "generate_s": generate_s or None,  # GRPOTrainer's runs: generation per step (evaluations not counted)
+        "completion_tokens_per_step": [h["completions/mean_length"] * TASK["per_device_train_batch_size"] for h in logs],
         "weight_sync_s_mean": mean("async/weight_sync_s"),
         # decode steps spent on rows that had already finished, if the batch is one generate call: 1 - mean/max length
         "finished_row_steps": statistics.fmean(

@@ -43,3 +43,18 @@ def test_the_filtered_share_counts_every_trained_group_against_the_dropped_ones(
     assert filtered_share({"filtered_groups": 8, "step_s": [1.0] * 12}, prompts_per_step=2) == 0.25
     assert filtered_share({"filtered_groups": 0, "step_s": [1.0] * 12}, prompts_per_step=2) == 0.0
     assert filtered_share({"filtered_groups": None, "step_s": [1.0] * 12}, prompts_per_step=2) is None  # option off
+
+
+@pytest.mark.unit
+def test_the_dedicated_prediction_takes_one_core_rates_from_shared_core_runs_only():
+    from predict_dedicated import predict, shared_core_rates, steady_s_per_step
+
+    # GRPOTrainer on one thread: step 1 (start-up) left out; G = mean(4, 6) = 5, T = mean(20-4, 24-6) = 17
+    one_thread = [{"generate_s": [9.0, 4.0, 6.0], "step_s": [40.0, 20.0, 24.0]}]
+    rates = shared_core_rates(one_thread, [{"weight_sync_s_mean": 0.5}, {"weight_sync_s_mean": 1.5}])
+    assert rates == {"G_s": 5.0, "T_s": 17.0, "S_s": 1.0}
+    assert steady_s_per_step([{"step_s": [99.0, 10.0, 12.0]}, {"step_s": [99.0, 14.0]}]) == 12.0
+    # one worker on its own core: in lock-step a step is G + T + S = 23 s; one step of staleness hides generation
+    # behind training, so the trainer alone sets the pace, T + S = 18 s
+    assert predict(rates, 0) == pytest.approx(23.0)
+    assert predict(rates, 1) == pytest.approx(18.0)
