@@ -36,8 +36,9 @@ GROUPS_PER_STEP = 2  # the task's batch: 16 completions = 2 prompts x 8
 
 def shared_core_rates(one_thread_runs: list[dict], async_runs: list[dict]) -> dict:
     """Pure: the one-core phase costs (seconds) from shared-core runs, steps after the first: G = GRPOTrainer's
-    generation per step, T = the rest of its step (scoring, the loss's forward and backward, the optimizer), S = the
-    async trainer's weight publish per step."""
+    generation per step, T = the rest of its step (scoring, the loss's forward and backward), S = the async
+    trainer's weight publish per step. Steps are TRL's ``step_time`` (``training_step``): the optimizer step and the
+    callbacks after it fall outside, on both the fed and the measured side."""
     gens = [g for r in one_thread_runs for g in r["generate_s"][1:]]
     rests = [s - g for r in one_thread_runs for s, g in zip(r["step_s"][1:], r["generate_s"][1:], strict=True)]
     syncs = [r["weight_sync_s_mean"] for r in async_runs if r.get("weight_sync_s_mean") is not None]

@@ -93,7 +93,7 @@ def native_precision(
             if capped:
                 why = (
                     f"{kind} {said(bf16, bf16_flags)}, {said(fp16, fp16_flags)}, but oneDNN is capped at "
-                    f"{onednn_max_isa} (ONEDNN_MAX_CPU_ISA), which emulates {' and '.join(capped)}"
+                    f"{onednn_max_isa.strip().upper()} (ONEDNN_MAX_CPU_ISA), which emulates {' and '.join(capped)}"
                 )
                 return NativePrecision(bf16 and "bf16" not in capped, fp16 and "fp16" not in capped, why)
         elif machine in ARM:
@@ -162,7 +162,8 @@ def device_precision(device: str | torch.device = "cpu") -> NativePrecision:
     device = torch.device(device)
     if device.type == "cpu":
         onednn = torch.backends.mkldnn.is_available()
-        # oneDNN reads ONEDNN_MAX_CPU_ISA, or its older name, once, when it first dispatches
+        # oneDNN reads ONEDNN_MAX_CPU_ISA, or its older name, once, when it first dispatches; this answer is cached
+        # too, so both follow the environment the process had when it first asked
         cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
         return native_precision("cpu", platform.machine(), _read_cpu_flags(), onednn=onednn, onednn_max_isa=cap)
     if device.type == "cuda" and torch.cuda.is_available():
