@@ -214,7 +214,6 @@ def run_one(spec: dict) -> dict:
         "trainer_wait_s_mean": mean("async/trainer_wait_s"),
         "trainer_wait_s": [h.get("async/trainer_wait_s") for h in logs],  # per step: G of the synchronous schedule
         "generate_s": generate_s or None,  # GRPOTrainer's runs: generation per step (evaluations not counted)
-        "completion_tokens_per_step": [h["completions/mean_length"] * TASK["per_device_train_batch_size"] for h in logs],
         "weight_sync_s_mean": mean("async/weight_sync_s"),
         # decode steps spent on rows that had already finished, if the batch is one generate call: 1 - mean/max length
         "finished_row_steps": statistics.fmean(
