@@ -308,8 +308,13 @@ def test_script_without_main_guard_trains_and_exits(tmp_path, tiny_model_dir):
         args = AsyncGRPOConfig(output_dir={str(tmp_path / "o")!r}, max_steps=2, per_device_train_batch_size=8,
             num_generations=4, max_completion_length=4, report_to=[], bf16=False, use_cpu=True,
             gradient_checkpointing=False, save_strategy="no")
-        AsyncGRPOTrainer(model={tiny_model_dir!r}, reward_funcs=lambda completions, **kw: [len(c) for c in completions],
-            args=args, train_dataset=ds).train()
+        trainer = AsyncGRPOTrainer(model={tiny_model_dir!r}, args=args, train_dataset=ds,
+            reward_funcs=lambda completions, **kw: [len(c) for c in completions])
+        from multiprocessing import forkserver
+        server = forkserver._forkserver
+        print("FORKSERVER BEFORE TRAIN", server._forkserver_pid is not None
+              and os.waitpid(server._forkserver_pid, os.WNOHANG)[0] == 0, server._preload_modules, flush=True)
+        trainer.train()
         print("DONE", flush=True)
     """)
     )
@@ -317,6 +322,8 @@ def test_script_without_main_guard_trains_and_exits(tmp_path, tiny_model_dir):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("TOP-LEVEL RAN") == 1  # workers did not re-run the user's script
     assert "DONE" in out.stdout and no_rollout_children()
+    # the workers' forkserver started with the trainer, importing what a worker needs while the trainer sets up
+    assert "FORKSERVER BEFORE TRAIN True" in out.stdout and "'transformers.modeling_utils'" in out.stdout
 
 
 def test_trajectory_file_records_every_consumed_completion(tmp_path, tiny_model_dir):

@@ -22,11 +22,11 @@ G = 2  # completions per group
 
 def make_pool(
     max_staleness, groups_per_batch=2, queue_size=None, workers=1, score=None, rows=8, max_restarts=0, heartbeat_s=10.0,
-    scoring_threads=1,
+    scoring_threads=1, max_new_tokens=3, publish_only=lambda name: True,
 ):  # fmt: skip
     tok = build_char_tokenizer()
-    model = build_tiny_model(tok)
-    gen = GenerationConfig(max_new_tokens=3, do_sample=True, pad_token_id=tok.pad_token_id, eos_token_id=[])
+    model = build_tiny_model(tok, max_position_embeddings=max(256, max_new_tokens + 16))
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=True, pad_token_id=tok.pad_token_id, eos_token_id=[])
     specs = [
         WorkerSpec(
             i,
@@ -60,10 +60,11 @@ def make_pool(
     )
     prompts = PromptStream(rows, groups_per_batch, shuffle=False, seed=0)
     score = score or (lambda g, row, environments=None: ScoredGroup(g, rewards=torch.zeros(G, 1)))
-    weight_specs = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
+    published = [(n, p) for n, p in model.named_parameters() if publish_only(n)]
+    weight_specs = {n: (tuple(p.shape), p.dtype) for n, p in published}
     backend = ProcessBackend(specs, weight_specs, settings.groups_per_call)
     pool = RolloutPool(backend, settings, prompts, lambda i: {}, lambda i, row: (5, 6, 7 + i), score)
-    pool.publish([list(model.named_parameters())], version=0)
+    pool.publish([published], version=0)
     return pool, model
 
 
@@ -230,6 +231,37 @@ def test_a_worker_killed_mid_generation_is_restarted_and_its_groups_generated_ag
     finally:
         pool.close()
     assert not any(p.is_alive() for p in pool.processes)
+
+
+def test_closing_kills_a_worker_inside_a_generate_call_and_lets_an_idle_one_exit():
+    """What a worker still generates when the pool closes is never used, so close does not wait for the call (2-3 s
+    at the end of every train() on the real model); an idle worker exits by itself (exit code 0, not killed)."""
+    busy, _ = make_pool(max_staleness=0, max_new_tokens=1500)  # one call of ~4 s here (no EOS: all 1500 tokens)
+    try:
+        wait_until(lambda: len(busy.outstanding(0)) == 2 and busy.worker_versions.get(0) == 0)
+        time.sleep(0.5)  # inside its generate call
+        assert busy.ready_count == 0
+    finally:
+        busy.close()
+    assert busy.processes[0].exitcode == -signal.SIGKILL
+    idle, _ = make_pool(max_staleness=0)
+    try:
+        wait_until(lambda: idle.ready_count == 2)
+        wait_until(lambda: not idle.outstanding(0))  # the batch is in: nothing more is admitted at version 0
+    finally:
+        idle.close()
+    assert idle.processes[0].exitcode == 0
+
+
+def test_a_worker_whose_weights_miss_a_parameter_refuses_to_generate_and_names_it():
+    """A worker's model is built without initialisation: a parameter the published weights do not cover would hold
+    arbitrary memory, so the worker stops with its name instead of sampling from it."""
+    pool, _ = make_pool(max_staleness=0, publish_only=lambda name: name != "model.norm.weight")
+    try:
+        with pytest.raises(RolloutWorkerError, match=r"do not cover .*model\.norm\.weight"):
+            pool.take(2, consumer_version=0)
+    finally:
+        pool.close()
 
 
 def test_a_stopped_worker_misses_heartbeats_and_is_replaced():

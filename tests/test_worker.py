@@ -117,6 +117,26 @@ def test_policy_copy_decodes_with_the_kv_cache_even_when_training_turned_it_off(
     assert lengths == [3, 1, 1, 1, 1]  # prompt once, then one new token per step (no re-run of the whole sequence)
 
 
+def test_policy_copy_built_without_initialisation_keeps_tied_weights_one_tensor_and_every_parameter_published():
+    """Workers skip the random initialisation (every parameter is overwritten by the published weights); transformers
+    5 then also skips tying, so the copy ties again: an untied lm_head would be a parameter nobody publishes, left
+    holding whatever memory it was given. ``unpublished_parameters`` is the check a worker makes before generating."""
+    from types import SimpleNamespace
+
+    from trl_async.engines.transformers.worker import build_policy_copy, unpublished_parameters
+
+    tok = build_char_tokenizer()
+    trained = build_tiny_model(tok)  # tie_word_embeddings=True
+    spec = SimpleNamespace(model_class=type(trained), model_config=trained.config, device="cpu", dtype=torch.float32)
+    model = build_policy_copy(spec)
+    published = {name for name, _ in trained.named_parameters()}  # what the trainer publishes (tied: once)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert unpublished_parameters(model, published) == []
+    assert unpublished_parameters(model, published - {"model.norm.weight"}) == ["model.norm.weight"]
+    untied = build_tiny_model(tok, tie_word_embeddings=False)
+    assert unpublished_parameters(untied, published) == ["lm_head.weight"]
+
+
 def test_worker_module_imports_neither_trl_nor_the_trainer():
     # a rollout worker process imports trl_async.engines.transformers.worker; pulling in TRL/peft/the trainer there cost ~6 s per start
     import subprocess

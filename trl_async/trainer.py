@@ -12,6 +12,7 @@ with the trainer's weights, exactly as GRPOTrainer does.
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from .config import async_fields_of
 from .cores import PinnedTrainer
 from .correction import off_policy_correction
+from .engines.transformers.worker_process import prestart_worker_server
 from .pool_setup import start_pool
 from .progress import AsyncProgressCallback, batch_metrics
 from .records import RolloutGroup
@@ -97,6 +99,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         environment_factory=None,
     ):
         refuse_before_loading(model, args, train_dataset, quantization_config, rollout_func, tools, environment_factory)
+        if getattr(args, "rollout_backend", "transformers") == "transformers" and os.environ.get("RANK", "0") == "0":
+            # the main process's workers: their forkserver's imports overlap GRPOTrainer's set-up below, not step 1
+            prestart_worker_server(model)
         super().__init__(
             model=model,
             reward_funcs=reward_funcs,

@@ -70,10 +70,11 @@ class Lanes:
                 self._replace(i, f"{why} (hung, stopped or down; killed)")
 
     def stop(self, timeout_s: float) -> None:
-        """Stop every lane; each worker process is joined (killed if it does not stop in time)."""
+        """Stop every lane; each worker process is joined: an idle one exits, one holding groups is killed at once,
+        a slow one after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        for w in self.workers:
-            w.stop(max(0.0, deadline - time.monotonic()))
+        for w in self.workers:  # a worker holding groups is mid-call, and what it would still send goes unused
+            w.stop(0.0 if w.outstanding else max(0.0, deadline - time.monotonic()))
 
     def _drain(self, worker) -> None:
         """Handle every message waiting in a lane's pipe (an exited worker's last words included)."""
