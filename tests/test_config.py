@@ -133,3 +133,21 @@ def test_rollout_dtype_is_for_transformers_workers_without_weight_hashing():
         AsyncGRPOConfig(**BASE, rollout_dtype="bfloat16", rollout_backend="vllm")
     with pytest.raises(ValueError, match="rollout_verify_weights=True.*cannot reproduce"):
         AsyncGRPOConfig(**BASE, rollout_dtype="bfloat16", rollout_verify_weights=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"num_return_sequences": 2}, "num_return_sequences=2 .* wrong prompts.*num_generations"),
+        ({"prompt_lookup_num_tokens": 3}, "assisted_generation decoding"),
+        ({"num_beams": 2, "num_beam_groups": 2, "diversity_penalty": 0.5}, "group_beam_search decoding"),
+        ({"dola_layers": "low"}, "dola_generation decoding"),
+    ],
+)
+def test_generation_kwargs_the_workers_cannot_sample_with_are_refused_with_the_reason(kwargs, reason):
+    """Found by running each with GRPOTrainer and AsyncGRPOTrainer on a tiny model: num_return_sequences trained
+    silently with completions paired to the wrong prompts; prompt lookup and group beam search crashed the worker."""
+    with pytest.raises(ValueError, match="generation_kwargs.*" + reason):
+        AsyncGRPOConfig(output_dir="x", generation_kwargs=kwargs, bf16=False, use_cpu=True)
+    for fine in ({"do_sample": False}, {"num_beams": 2}, {"guidance_scale": 1.5}, {"no_repeat_ngram_size": 2}):
+        AsyncGRPOConfig(output_dir="x", generation_kwargs=fine, bf16=False, use_cpu=True)

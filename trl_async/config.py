@@ -343,6 +343,9 @@ class AsyncFields:
                 "sequence and a 'seq_*' weight would count once per token",
             )
 
+        if self.rollout_backend == "transformers":
+            refused = refused_generation_kwargs(getattr(self, "generation_kwargs", None) or {})
+            need(refused is None, "generation_kwargs", refused or "")
         beams = (getattr(self, "generation_kwargs", None) or {}).get("num_beams") or 1
         need(
             beams == 1 or not self.off_policy_bypass,
@@ -602,3 +605,36 @@ class AsyncGRPOConfig(GRPOConfig, AsyncFields):
     def __post_init__(self):
         super().__post_init__()
         self.validate_async_fields(loss_type=self.loss_type)
+
+
+# decoding in which each new token is drawn, one per step, from the scores the logits processors return: the
+# workers record mu there (beam search: no mu, trained uncorrected as GRPOTrainer does)
+STEPWISE_MODES = ("sample", "greedy_search", "beam_search", "beam_sample")
+
+
+def refused_generation_kwargs(kwargs: dict) -> str | None:
+    """Why the transformers workers cannot generate with ``generation_kwargs`` (``None``: they can). Checked against
+    GRPOTrainer in TRL 1.16 on a tiny model: num_return_sequences, prompt lookup and group beam search fail there."""
+    from transformers import GenerationConfig
+
+    returns = kwargs.get("num_return_sequences") or 1
+    if returns != 1:
+        return (
+            f"num_return_sequences={returns} would return {returns} completions per row, which the workers would "
+            "pair with the wrong prompts (GRPOTrainer stops with a tensor size mismatch). Completions per prompt are "
+            "`num_generations`: remove num_return_sequences"
+        )
+    try:
+        mode = GenerationConfig(**{"do_sample": True, **kwargs}).get_generation_mode()
+    except Exception:  # noqa: BLE001 - an invalid combination: GRPOTrainer's own GenerationConfig reports it
+        return None
+    if mode.value in STEPWISE_MODES:
+        return None
+    return (
+        f"they select {mode.value} decoding, which does not draw each token from one step's processed scores (assisted "
+        "and prompt-lookup decoding verify several tokens per step; group beam search, DoLa and contrastive search "
+        "are remote code in transformers 5), so no behaviour log-prob can be recorded (GRPOTrainer's own generate "
+        "refuses prompt lookup and group beam search too). Use sampling (the default), greedy (do_sample=False) "
+        "or num_beams"
+    )
+
