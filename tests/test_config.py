@@ -151,3 +151,24 @@ def test_generation_kwargs_the_workers_cannot_sample_with_are_refused_with_the_r
         AsyncGRPOConfig(output_dir="x", generation_kwargs=kwargs, bf16=False, use_cpu=True)
     for fine in ({"do_sample": False}, {"num_beams": 2}, {"guidance_scale": 1.5}, {"no_repeat_ngram_size": 2}):
         AsyncGRPOConfig(output_dir="x", generation_kwargs=fine, bf16=False, use_cpu=True)
+
+
+@pytest.mark.parametrize("kwargs", [{"num_return_sequences": 2}, {"do_sample": False, "penalty_alpha": 0.6}])
+def test_the_generation_config_the_workers_get_is_checked_whatever_config_class_and_top_k_built_it(kwargs):
+    """A plain GRPOConfig carries no async validation, and top_k (a GRPOConfig field) turns penalty_alpha into
+    contrastive search: the check reads the GenerationConfig GRPOTrainer builds from both."""
+    from transformers import GenerationConfig
+
+    from trl_async.config import refused_generation
+
+    built = GenerationConfig(**{"max_new_tokens": 4, "do_sample": True, "top_k": 4, **kwargs})  # as GRPOTrainer does
+    assert refused_generation(built) is not None
+    assert refused_generation(GenerationConfig(max_new_tokens=4, do_sample=True, top_k=4)) is None
+    with pytest.raises(ValueError, match="generation_kwargs.*(contrastive_search|num_return_sequences=2)"):
+        AsyncGRPOConfig(output_dir="x", generation_kwargs=kwargs, top_k=4, bf16=False, use_cpu=True)
+
+
+def test_vllm_n_in_generation_kwargs_is_refused_as_it_would_replace_num_generations():
+    with pytest.raises(ValueError, match="generation_kwargs.*'n'.*num_generations"):
+        AsyncGRPOConfig(output_dir="x", rollout_backend="vllm", generation_kwargs={"n": 3}, bf16=False, use_cpu=True)
+    AsyncGRPOConfig(output_dir="x", rollout_backend="vllm", generation_kwargs={"seed": 3}, bf16=False, use_cpu=True)

@@ -148,3 +148,16 @@ def test_beam_search_on_vllm_servers_is_refused_with_the_reason():
         AsyncGRPOConfig(
             output_dir="x", generation_kwargs=BEAM_KWARGS, rollout_backend="vllm", bf16=False, use_cpu=True
         )
+
+
+def test_a_plain_grpo_config_with_num_return_sequences_is_refused_at_construction(tmp_path, tiny_model_dir):
+    """The drop-in path: a GRPOConfig has none of AsyncGRPOConfig's checks, so the trainer checks the generation
+    config the workers would get (they would pair each prompt's completions with other prompts)."""
+    import pytest
+    from trl import GRPOConfig
+
+    from .conftest import COMMON
+
+    args = GRPOConfig(output_dir=str(tmp_path), **COMMON, generation_kwargs={"num_return_sequences": 2})
+    with pytest.raises(ValueError, match="generation_kwargs.*num_return_sequences=2.*num_generations"):
+        AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=letter_reward, args=args, train_dataset=text_dataset())

@@ -344,8 +344,17 @@ class AsyncFields:
             )
 
         if self.rollout_backend == "transformers":
-            refused = refused_generation_kwargs(getattr(self, "generation_kwargs", None) or {})
+            refused = refused_generation_kwargs(
+                getattr(self, "generation_kwargs", None) or {}, getattr(self, "top_k", None)
+            )
             need(refused is None, "generation_kwargs", refused or "")
+        need(
+            self.rollout_backend != "vllm" or "n" not in (getattr(self, "generation_kwargs", None) or {}),
+            "generation_kwargs",
+            "'n' (vLLM's completions per request) would replace num_generations behind the trainer's back, and each "
+            "group would hold a different number of completions than GRPOTrainer's advantages assume: remove 'n' and "
+            "set num_generations",
+        )
         beams = (getattr(self, "generation_kwargs", None) or {}).get("num_beams") or 1
         need(
             beams == 1 or not self.off_policy_bypass,
@@ -612,12 +621,23 @@ class AsyncGRPOConfig(GRPOConfig, AsyncFields):
 STEPWISE_MODES = ("sample", "greedy_search", "beam_search", "beam_sample")
 
 
-def refused_generation_kwargs(kwargs: dict) -> str | None:
-    """Why the transformers workers cannot generate with ``generation_kwargs`` (``None``: they can). Checked against
-    GRPOTrainer in TRL 1.16 on a tiny model: num_return_sequences, prompt lookup and group beam search fail there."""
+def refused_generation_kwargs(kwargs: dict, top_k: int | None = None) -> str | None:
+    """Why the transformers workers cannot generate with ``generation_kwargs`` (``None``: they can), on top of
+    GRPOTrainer's sampling settings (``top_k`` selects contrastive search with ``penalty_alpha``)."""
     from transformers import GenerationConfig
 
-    returns = kwargs.get("num_return_sequences") or 1
+    try:
+        config = GenerationConfig(**{"do_sample": True, "top_k": top_k, **kwargs})
+    except Exception:  # noqa: BLE001 - an invalid combination: GRPOTrainer's own GenerationConfig reports it
+        return None
+    return refused_generation(config)
+
+
+def refused_generation(config) -> str | None:
+    """Why the transformers workers cannot generate with this ``GenerationConfig`` (``None``: they can). Checked
+    against GRPOTrainer in TRL 1.16 on a tiny model: num_return_sequences, prompt lookup and group beam search fail
+    there too."""
+    returns = getattr(config, "num_return_sequences", 1) or 1
     if returns != 1:
         return (
             f"num_return_sequences={returns} would return {returns} completions per row, which the workers would "
@@ -625,8 +645,8 @@ def refused_generation_kwargs(kwargs: dict) -> str | None:
             "`num_generations`: remove num_return_sequences"
         )
     try:
-        mode = GenerationConfig(**{"do_sample": True, **kwargs}).get_generation_mode()
-    except Exception:  # noqa: BLE001 - an invalid combination: GRPOTrainer's own GenerationConfig reports it
+        mode = config.get_generation_mode()
+    except Exception:  # noqa: BLE001 - an invalid combination: generate() reports it as GRPOTrainer's would
         return None
     if mode.value in STEPWISE_MODES:
         return None
@@ -637,4 +657,3 @@ def refused_generation_kwargs(kwargs: dict) -> str | None:
         "refuses prompt lookup and group beam search too). Use sampling (the default), greedy (do_sample=False) "
         "or num_beams"
     )
-

@@ -14,6 +14,7 @@ from torch import nn
 from transformers.utils import logging
 from trl.data_utils import is_conversational
 
+from .config import refused_generation
 from .precision import emulated_precision_warning
 
 logger = logging.get_logger(__name__)
@@ -120,6 +121,10 @@ def check_after_loading(trainer) -> None:
     """What can only be checked once GRPOTrainer has set the trainer up (its model, tokenizer and arguments)."""
     if trainer._is_vlm:
         raise NotImplementedError("AsyncGRPOTrainer does not support vision-language models (image inputs) yet.")
+    if trainer.async_args.rollout_backend == "transformers":  # the config the workers get (a plain GRPOConfig too)
+        refused = refused_generation(trainer.generation_config)
+        if refused is not None:
+            raise ValueError(f"GRPOConfig.generation_kwargs={trainer.args.generation_kwargs!r} is invalid: {refused}")
     data = trainer.train_dataset
     if trainer.tools and data is not None and "prompt" in data.column_names and not is_conversational(data[0]):
         raise ValueError(

@@ -12,14 +12,13 @@ with the trainer's weights, exactly as GRPOTrainer does.
 from __future__ import annotations
 
 import datetime
-import os
 import threading
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from accelerate.utils import broadcast_object_list, gather
+from accelerate.utils import broadcast_object_list, gather, get_int_from_env
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState, ProgressCallback
 from transformers.utils import logging
@@ -99,7 +98,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         environment_factory=None,
     ):
         refuse_before_loading(model, args, train_dataset, quantization_config, rollout_func, tools, environment_factory)
-        if getattr(args, "rollout_backend", "transformers") == "transformers" and os.environ.get("RANK", "0") == "0":
+        rank = get_int_from_env(["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK"], 0)
+        if getattr(args, "rollout_backend", "transformers") == "transformers" and rank == 0:
             # the main process's workers: their forkserver's imports overlap GRPOTrainer's set-up below, not step 1
             prestart_worker_server(model)
         super().__init__(

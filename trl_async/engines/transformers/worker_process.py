@@ -166,7 +166,8 @@ def prestart_worker_server(model=None) -> None:
     (``worker_context``). No-op where workers are spawned or the forkserver already runs."""
     from multiprocessing import forkserver
 
-    ctx = worker_context(type(model).__module__ if isinstance(model, torch.nn.Module) else None)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: the class workers build
+    ctx = worker_context(type(base).__module__ if isinstance(base, torch.nn.Module) else None)
     if ctx.get_start_method() != "forkserver":
         return
     with _no_main_reimport(), _worker_environment():
