@@ -159,7 +159,7 @@ def test_the_generation_config_the_workers_get_is_checked_whatever_config_class_
     contrastive search: the check reads the GenerationConfig GRPOTrainer builds from both."""
     from transformers import GenerationConfig
 
-    from trl_async.config import refused_generation
+    from trl_async.generation_modes import refused_generation
 
     built = GenerationConfig(**{"max_new_tokens": 4, "do_sample": True, "top_k": 4, **kwargs})  # as GRPOTrainer does
     assert refused_generation(built) is not None

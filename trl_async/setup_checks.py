@@ -14,7 +14,7 @@ from torch import nn
 from transformers.utils import logging
 from trl.data_utils import is_conversational
 
-from .config import refused_generation
+from .generation_modes import refused_generation
 from .precision import emulated_precision_warning
 
 logger = logging.get_logger(__name__)
