@@ -87,6 +87,7 @@ class ServedAdapters:
         self.resident: list[int] = []  # loaded versions, oldest first
         self.held_back: list[int] = []  # past the bound at the last prune, but a request was still using them
         self._in_use: dict[int, int] = {}
+        self._closed = False  # training ended: no request may name an adapter any more
 
     def name(self, version: int) -> str:
         return f"trl_async-{self.run}-v{version}"
@@ -120,8 +121,10 @@ class ServedAdapters:
     def acquire(self, timeout_s: float | None = None) -> tuple[str, int]:
         """The newest version's adapter name and version, held until ``release``."""
         with self._lock:
-            if not self._ready.wait_for(lambda: self.current is not None, timeout_s):
+            if not self._ready.wait_for(lambda: self.current is not None or self._closed, timeout_s):
                 raise TimeoutError("no adapter was published to the vLLM servers")
+            if self._closed:
+                raise RuntimeError("the served adapters are closed: training ended")
             version = self.current
             self._in_use[version] = self._in_use.get(version, 0) + 1
             return self.name(version), version
@@ -131,6 +134,7 @@ class ServedAdapters:
             self._in_use[version] -= 1
             if not self._in_use[version]:
                 del self._in_use[version]
+                self._ready.notify_all()
 
     def prune(self, servers=None) -> list[int]:
         """Unload (and delete) every version older than the newest ``keep`` that no request uses, on every server
@@ -162,12 +166,18 @@ class ServedAdapters:
             shutil.rmtree(path, ignore_errors=True)
 
     def close(self, drain_s: float = 30.0) -> None:
-        """Unload this run's adapters (best effort: a server may be gone) and delete their files, once no server runs
-        a request any more. The lanes' abandoned requests are cancelled by each server at its next step, and until
-        then a request may need its adapter loaded again from its files: if they are gone, vLLM's engine dies
-        (LoRAAdapterNotFoundError, seen in the tests). A server still busy after ``drain_s`` (shared with another
-        client?) keeps the files, with a warning naming the directory."""
+        """Unload this run's adapters (best effort: a server may be gone) and delete their files, once none of our
+        requests can still need them. vLLM loads an adapter from its files when a request naming it is scheduled,
+        and its engine dies if they are gone (LoRAAdapterNotFoundError or FileNotFoundError, both seen in tests). So,
+        in order: no adapter is handed out any more; the lanes' request threads let go of theirs (a stopped lane
+        abandons its requests at once, but one may be about to send); then each server runs none (``_drained``).
+        Past ``drain_s`` (a server shared with another client, a thread stuck) the files are kept, with a warning
+        naming the directory."""
         deadline = time.monotonic() + drain_s
+        with self._lock:
+            self._closed = True
+            self._ready.notify_all()
+            let_go = self._ready.wait_for(lambda: not self._in_use, max(0.0, deadline - time.monotonic()))
         busy = [s.url for s in self.servers if not _drained(s, deadline)]
         for version in list(self.resident):
             for server in self.servers:
@@ -176,25 +186,29 @@ class ServedAdapters:
                 except Exception:  # noqa: BLE001 - cleanup of a server that may have stopped
                     pass
         self.resident = []
-        if busy:
-            logger.warning("vLLM servers %s still run requests %.0fs after training ended: this run's adapter files "
-                           "are left in %s for them (delete it when they are done)", busy, drain_s, self.directory)  # fmt: skip
+        if busy or not let_go:
+            why = f"vLLM servers {busy} still run requests" if busy else "a request thread still holds an adapter"
+            logger.warning("%s %.0fs after training ended: this run's adapter files are left in %s for them (delete it "
+                           "when they are done)", why, drain_s, self.directory)  # fmt: skip
             return
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def _drained(server: VLLMServer, deadline: float) -> bool:
-    """Whether ``server`` runs no request (or is gone) by ``deadline``. Its gauges change only when its engine steps,
-    and cancelling a request is no step: a one-token request of the base model every second makes it step (the
-    gauges then count what is really left)."""
+def _drained(server: VLLMServer, deadline: float, settled_reads: int = 2) -> bool:
+    """Whether ``server`` runs no request (or is gone) by ``deadline``. Its gauges change only when its engine steps:
+    a request that has just arrived, or one being cancelled, is not in them yet. So each read follows a one-token
+    request of the base model that makes it step, and it counts as drained after ``settled_reads`` such reads in a
+    row show nothing running or waiting."""
     nudge = {"token_ids": [1, 2, 3], "sampling_params": {"n": 1, "max_tokens": 1, "temperature": 0.0}}
+    settled = 0
     while True:
         try:
-            if server.requests_in_flight() == 0:
-                return True
-            if time.monotonic() > deadline:
-                return False
             server.request("POST", "/inference/v1/generate", nudge, timeout_s=10.0, retry=False)
+            settled = settled + 1 if server.requests_in_flight() == 0 else 0
         except Exception:  # noqa: BLE001 - a server that does not answer runs nothing of ours to protect
             return True
-        time.sleep(1.0)
+        if settled >= settled_reads:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
