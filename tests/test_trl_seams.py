@@ -10,6 +10,7 @@ instead of training silently with a wrong weight. (setup.cfg allows only the TRL
 import linecache
 import sys
 
+import pytest
 import torch
 from trl import GRPOTrainer
 
@@ -34,13 +35,31 @@ class _Recorded(dict):
         return super().get(key, default)
 
 
+# every loss_type of TRL 1.16, with the options that add branches to its loss: the KL term (beta > 0, read from the
+# batch's reference log-probs, no forward of its own), the sequence-level ratio, the off-policy mask (it reads the
+# sampling log-probs) and entropy masking (the entropies come from the same forward)
+LOSS_SETTINGS = [
+    {},
+    *({"loss_type": loss} for loss in ("grpo", "bnpo", "dr_grpo", "luspo", "cispo", "sapo", "vespo")),
+    {"beta": 0.04},
+    {"beta": 0.04, "use_bias_correction_kl": True},
+    {"importance_sampling_level": "sequence", "loss_type": "grpo"},
+    {"off_policy_mask_threshold": 0.5},
+    {"top_entropy_quantile": 0.5},
+    {"entropy_coef": 0.01},
+]
+
+
+@pytest.mark.parametrize("settings", LOSS_SETTINGS, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()) or "default")
 def test_grpo_trainers_loss_makes_the_policy_forward_first_and_reads_use_vllm_only_for_the_ratio(
-    tmp_path, tiny_model_dir
+    tmp_path, tiny_model_dir, settings
 ):
     trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=letter_reward, train_dataset=text_dataset(),
-                               args=async_args(tmp_path))  # fmt: skip
+                               args=async_args(tmp_path, **settings))  # fmt: skip
     batch = loss_batch()
     logps = current_logps(trainer, batch)
+    if trainer.beta != 0.0:
+        batch["ref_per_token_logps"] = logps - 0.1
     events, use_vllm_reads = [], []
     forward = trainer._get_per_token_logps_and_entropies
 
@@ -70,7 +89,7 @@ def test_grpo_trainers_loss_makes_the_policy_forward_first_and_reads_use_vllm_on
     ratio_reads = [i for i, e in enumerate(events) if e == ("read", "importance_sampling_ratio")]
     assert forwards and ratio_reads, events  # both happen: the ratio is applied (else our weight never reaches it)
     assert forwards[0] < ratio_reads[0], f"GRPOTrainer reads the ratio before its policy forward: {events}"
-    assert len(forwards) == 1, f"GRPOTrainer's loss makes {len(forwards)} forwards with beta=0: {events}"
+    assert len(forwards) == 1, f"GRPOTrainer's loss makes {len(forwards)} forwards with {settings}: {events}"
     assert use_vllm_reads and all("vllm_importance_sampling_correction" in line for line in use_vllm_reads), (
         f"GRPOTrainer's loss reads use_vllm elsewhere than where it applies the ratio: {use_vllm_reads}"
     )
