@@ -139,3 +139,106 @@ def test_a_killed_server_restarted_on_its_port_is_reattached_and_nothing_is_lost
             logits = model(input_ids=ids).logits[0, len(r["prompt_ids"]) - 1 : -1]
         expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r["completion_ids"])[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(r["logprobs"]), expected, rtol=0, atol=1e-3)
+
+
+class Forwarder:
+    """A TCP port that forwards every connection to ``target`` (a real server), refuses connections while ``target``
+    is None (the server is down), and can be pointed at another server: what a client sees when the process behind a
+    URL (a supervisor's, a load balancer's) is restarted as something else."""
+
+    def __init__(self, target: tuple[str, int] | None) -> None:
+        import socket
+        import threading
+
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            if self.target is None:
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                client.close()
+                continue
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(source, sink) -> None:
+        import socket
+
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_server_that_comes_back_serving_another_model_is_refused_with_both_named(
+    tmp_path, vllm_server, vllm_model_dir, vllm_tool_server, vllm_tool_model_dir
+):
+    """Training talks to its server through a URL; after step 2 the URL stops answering, and when it answers again
+    another real vLLM server is behind it, serving a different model (the tool-calling one). The waiting lane
+    reads its /server_info, refuses it, and training stops with an error naming the URL and both models; no request
+    was sent to the other server."""
+    import time
+    import urllib.parse
+
+    from transformers import TrainerCallback
+
+    from tests.test_vllm_backend import _dataset, _reward, _vllm_args
+    from trl_async import AsyncGRPOTrainer
+
+    def address(url: str) -> tuple[str, int]:
+        parts = urllib.parse.urlsplit(url)
+        return parts.hostname, parts.port
+
+    url = Forwarder(address(vllm_server.url))
+    other_log_lines = len(vllm_tool_server.log.read_text().splitlines())
+
+    class Replace(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                url.target = None  # down
+                deadline = time.monotonic() + 60
+                while trainer.rollout_pool.lanes.workers[0].returning is None:  # its lane replaced by one that waits
+                    assert time.monotonic() < deadline, "the lost server's lane was not replaced"
+                    time.sleep(0.2)
+                url.target = address(vllm_tool_server.url)  # back, as another model
+
+    args = _vllm_args(tmp_path, url.url, max_steps=30, max_staleness=1, rollout_heartbeat_timeout_s=3,
+                      rollout_vllm_retry_s=60)  # fmt: skip
+    trainer = AsyncGRPOTrainer(model=vllm_model_dir, reward_funcs=_reward, args=args, train_dataset=_dataset(),
+                               callbacks=[Replace()])  # fmt: skip
+    try:
+        with pytest.raises(Exception, match="came back serving something else") as excinfo:
+            trainer.train()
+    finally:
+        url.close()
+    message = str(excinfo.value)
+    assert url.url in message and "refused" in message
+    assert f"'model': ('{vllm_model_dir}', '{vllm_tool_model_dir}')" in message, message
+    assert 2 <= trainer.state.global_step < 30
+    new_lines = vllm_tool_server.log.read_text().splitlines()[other_log_lines:]
+    assert not [line for line in new_lines if "POST" in line], new_lines  # asked who it is, never given work
