@@ -81,8 +81,8 @@ def main(demo: DemoArguments, args: AsyncGRPOConfig) -> dict:
     final = accuracy.history[-1] if accuracy.history else None  # the trainer's own evaluation at the last step
     heldout_after = final[1] if final and final[0] == trainer.state.global_step else accuracy.measure()
     after = heldout_after, greedy_accuracy(trainer, seen_templates, correctness_reward)
-    # torch's documented shutdown: a gloo rank that exits with the process group alive can abort (SIGABRT, "terminate
-    # called without an active exception") while DeepSpeed's asynchronous all-gathers are torn down (pytorch#190489)
+    # torch's documented shutdown (destroys the process group: the last distributed call); on an abort at exit that it
+    # does not prevent under ZeRO-3 on gloo, see the README's "Distributed training"
     trainer.accelerator.end_training()
     if not state.is_main_process:
         return {}

@@ -189,8 +189,8 @@ def main(script_args: GSM8KArguments, training_args: AsyncGRPOConfig, model_args
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     seconds = time.perf_counter() - start
     trainer.save_model(training_args.output_dir)
-    # torch's documented shutdown: a gloo rank that exits with the process group alive can abort (SIGABRT, "terminate
-    # called without an active exception") while DeepSpeed's asynchronous all-gathers are torn down (pytorch#190489)
+    # torch's documented shutdown (destroys the process group: the last distributed call); on an abort at exit that it
+    # does not prevent under ZeRO-3 on gloo, see the README's "Distributed training"
     trainer.accelerator.end_training()
     if not trainer.accelerator.is_main_process:
         return {}

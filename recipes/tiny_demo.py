@@ -79,8 +79,8 @@ def main(args: AsyncGRPOConfig) -> dict:
     trainer.train()
     seconds = time.perf_counter() - start
     after = greedy_reward(trainer, prompts)
-    # torch's documented shutdown: a gloo rank that exits with the process group alive can abort (SIGABRT, "terminate
-    # called without an active exception") while DeepSpeed's asynchronous all-gathers are torn down (pytorch#190489)
+    # torch's documented shutdown (destroys the process group: the last distributed call); on an abort at exit that it
+    # does not prevent under ZeRO-3 on gloo, see the README's "Distributed training"
     trainer.accelerator.end_training()
     if not state.is_main_process:
         return {}

@@ -37,16 +37,21 @@ class _Recorded(dict):
 
 # every loss_type of TRL 1.16, with the options that add branches to its loss: the KL term (beta > 0, read from the
 # batch's reference log-probs, no forward of its own), the sequence-level ratio, the off-policy mask (it reads the
-# sampling log-probs) and entropy masking (the entropies come from the same forward)
+# sampling log-probs), entropy masking and the entropy terms (from the same forward), two-sided clipping (delta),
+# and tool masks in the batch (tool episodes; "tool_mask" is a batch key, not a setting). Not covered: the MoE
+# router's auxiliary loss (it needs a mixture-of-experts model; it changes the forward's arguments, not its count).
 LOSS_SETTINGS = [
     {},
-    *({"loss_type": loss} for loss in ("grpo", "bnpo", "dr_grpo", "luspo", "cispo", "sapo", "vespo")),
+    *({"loss_type": loss} for loss in ("dapo", "grpo", "bnpo", "dr_grpo", "luspo", "cispo", "sapo", "vespo")),
     {"beta": 0.04},
     {"beta": 0.04, "use_bias_correction_kl": True},
     {"importance_sampling_level": "sequence", "loss_type": "grpo"},
     {"off_policy_mask_threshold": 0.5},
     {"top_entropy_quantile": 0.5},
     {"entropy_coef": 0.01},
+    {"entropy_coef": 0.01, "use_adaptive_entropy": True},
+    {"delta": 1.5},
+    {"tool_mask": True},
 ]
 
 
@@ -54,18 +59,33 @@ LOSS_SETTINGS = [
 def test_grpo_trainers_loss_makes_the_policy_forward_first_and_reads_use_vllm_only_for_the_ratio(
     tmp_path, tiny_model_dir, settings
 ):
+    config = {k: v for k, v in settings.items() if k != "tool_mask"}
     trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=letter_reward, train_dataset=text_dataset(),
-                               args=async_args(tmp_path, **settings))  # fmt: skip
+                               args=async_args(tmp_path, **config))  # fmt: skip
     batch = loss_batch()
+    if settings.get("tool_mask"):
+        batch["tool_mask"] = torch.tensor([[1, 0, 1], [1, 1, 1]])
     logps = current_logps(trainer, batch)
     if trainer.beta != 0.0:
         batch["ref_per_token_logps"] = logps - 0.1
     events, use_vllm_reads = [], []
     forward = trainer._get_per_token_logps_and_entropies
 
+    inside, stray_forwards = [], []
+
     def recorded_forward(*args, **kwargs):
         events.append(("forward",))
-        return forward(*args, **kwargs)
+        inside.append(True)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    def any_model_forward(module, args):  # a forward of the policy that does not go through the method above
+        if not inside:
+            stray_forwards.append(type(module).__name__)
+
+    trainer.model.register_forward_pre_hook(any_model_forward)
 
     class Spy(type(trainer)):  # records every read of use_vllm with the source line that reads it
         @property
@@ -90,6 +110,7 @@ def test_grpo_trainers_loss_makes_the_policy_forward_first_and_reads_use_vllm_on
     assert forwards and ratio_reads, events  # both happen: the ratio is applied (else our weight never reaches it)
     assert forwards[0] < ratio_reads[0], f"GRPOTrainer reads the ratio before its policy forward: {events}"
     assert len(forwards) == 1, f"GRPOTrainer's loss makes {len(forwards)} forwards with {settings}: {events}"
+    assert not stray_forwards, f"GRPOTrainer's loss runs the model outside its policy forward: {stray_forwards}"
     assert use_vllm_reads and all("vllm_importance_sampling_correction" in line for line in use_vllm_reads), (
         f"GRPOTrainer's loss reads use_vllm elsewhere than where it applies the ratio: {use_vllm_reads}"
     )

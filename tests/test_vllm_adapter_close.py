@@ -25,6 +25,7 @@ class SteppingServer:
     def __init__(self, running: int, finish_per_step: int = 1) -> None:
         self.running, self.finish_per_step = running, finish_per_step
         self.gauge = 0  # stale: the engine has not stepped since our requests arrived
+        self.refuse = False
         self.events: list[tuple[str, int]] = []
         stand_in = self
 
@@ -50,7 +51,11 @@ class SteppingServer:
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers["Content-Length"]))
                 stand_in.events.append((self.path, stand_in.running))
-                if self.path == "/inference/v1/generate":  # a step: the gauges catch up, and one request ends
+                if self.path == "/inference/v1/generate" and stand_in.refuse:
+                    self.send_response(503)  # paused, say: it answers /health, takes no request, runs what it has
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                elif self.path == "/inference/v1/generate":  # a step: the gauges catch up, and one request ends
                     stand_in.gauge = stand_in.running
                     stand_in.running = max(0, stand_in.running - stand_in.finish_per_step)
                     choice = {"index": 0, "token_ids": [7], "logprobs": {"content": [{"logprob": -0.5}]}}
@@ -126,3 +131,12 @@ def test_a_request_thread_that_never_lets_go_delays_the_cleanup_at_most_drain_s_
     assert time.monotonic() - start < 10
     assert (adapters.directory / "v4").exists()  # kept for the request that may still run on it
     assert "left in" in caplog.text
+
+
+def test_a_server_that_answers_health_but_refuses_the_step_request_is_not_taken_as_drained(served, caplog):
+    """Only a server that is gone counts as running nothing without a read of its gauges: one that answers /health
+    but refuses the request that would make it step (paused, overloaded) keeps the files until drain_s."""
+    server, adapters = served(running=1)
+    server.refuse = True
+    adapters.close(drain_s=2.0)
+    assert (adapters.directory / "v4").exists() and "still run requests" in caplog.text

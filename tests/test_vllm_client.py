@@ -22,6 +22,7 @@ class StandIn:
         self.healthy, self.reply = threading.Event(), threading.Event()
         self.healthy.set()
         self.posts = 0
+        self.status = 200  # another: answered at once with it (a 5xx is a request the server is not running)
         stand_in = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -36,6 +37,11 @@ class StandIn:
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers["Content-Length"]))
                 stand_in.posts += 1
+                if stand_in.status != 200:
+                    self.send_response(stand_in.status)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 if not stand_in.reply.wait(30):
                     return
                 logprobs = {"content": [{"logprob": -0.5}, {"logprob": -0.25}]}
@@ -92,4 +98,17 @@ def test_a_lane_that_reports_its_server_down_abandons_the_request_at_the_next_ch
     client = VLLMServer(stand_in.url, request_timeout_s=60.0, retry_s=30)  # the lane's verdict, not this, decides
     with pytest.raises(VLLMServerError, match="abandoned, not resent"):
         client.generate([5, 6], {"n": 1, "max_tokens": 2, "logprobs": 0}, alive=alive.is_set)
+    assert stand_in.posts == 1
+
+
+def test_a_lane_stopped_while_a_failed_request_waits_to_be_resent_sends_it_no_more(stand_in):
+    """A 5xx is resent after a backoff; a lane stopped during that backoff sends nothing after it (its server may by
+    then be another one behind the same URL, or its adapter's files gone)."""
+    stand_in.status = 503
+    stopped = threading.Event()
+    threading.Timer(0.1, stopped.set).start()  # during the first backoff (0.25 s)
+    client = VLLMServer(stand_in.url, request_timeout_s=5, retry_s=30)
+    with pytest.raises(VLLMServerError, match="abandoned, its lane was stopped"):
+        client.generate([5, 6], {"n": 1, "max_tokens": 2, "logprobs": 0}, stopped=stopped.is_set)
+    time.sleep(1.0)
     assert stand_in.posts == 1

@@ -178,7 +178,8 @@ class ServedAdapters:
             self._closed = True
             self._ready.notify_all()
             let_go = self._ready.wait_for(lambda: not self._in_use, max(0.0, deadline - time.monotonic()))
-        busy = [s.url for s in self.servers if not _drained(s, deadline)]
+        # a thread that held on past the deadline may yet send its request: its files are kept, as for a busy server
+        busy = [s.url for s in self.servers if not let_go or not _drained(s, deadline)]
         for version in list(self.resident):
             for server in self.servers:
                 try:
@@ -186,8 +187,8 @@ class ServedAdapters:
                 except Exception:  # noqa: BLE001 - cleanup of a server that may have stopped
                     pass
         self.resident = []
-        if busy or not let_go:
-            why = f"vLLM servers {busy} still run requests" if busy else "a request thread still holds an adapter"
+        if busy:
+            why = f"vLLM servers {busy} still run requests" if let_go else "a request thread still holds an adapter"
             logger.warning("%s %.0fs after training ended: this run's adapter files are left in %s for them (delete it "
                            "when they are done)", why, drain_s, self.directory)  # fmt: skip
             return
@@ -205,8 +206,11 @@ def _drained(server: VLLMServer, deadline: float, settled_reads: int = 2) -> boo
         try:
             server.request("POST", "/inference/v1/generate", nudge, timeout_s=10.0, retry=False)
             settled = settled + 1 if server.requests_in_flight() == 0 else 0
-        except Exception:  # noqa: BLE001 - a server that does not answer runs nothing of ours to protect
-            return True
+        except Exception:  # noqa: BLE001 - a server that is gone runs nothing of ours to protect; a busy or paused
+            # one that answers /health may (the nudge timed out, or was refused): not drained
+            if not server.healthy(timeout_s=2.0):
+                return True
+            settled = 0
         if settled >= settled_reads:
             return True
         if time.monotonic() > deadline:

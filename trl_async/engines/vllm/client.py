@@ -133,12 +133,14 @@ class VLLMServer:
         when it cannot be running: the connection was refused or closed by the server, or it answered with a 5xx."""
         deadline, delay = None, 0.25
         while True:
+            if stopped is not None and stopped():  # checked before every attempt: a retry may follow a long backoff
+                raise VLLMServerError(f"vLLM server {self.url}: POST {path} abandoned, its lane was stopped")
             try:
                 return self._post_watched(path, body, health_every_s, stopped, alive)
             except _NotRunning as exc:
                 why = str(exc)
             deadline = deadline or time.monotonic() + self.retry_s
-            if time.monotonic() + delay > deadline or (stopped is not None and stopped()):
+            if time.monotonic() + delay > deadline:
                 raise VLLMServerError(
                     f"vLLM server {self.url} failed POST {path} ({why}); gave up after retrying for "
                     f"{self.retry_s:.0f}s (rollout_vllm_retry_s)"
@@ -155,6 +157,7 @@ class VLLMServer:
         except OSError as exc:
             raise _NotRunning(f"{type(exc).__name__}: {exc}") from None
         connection.sock.settimeout(None)  # the reply comes when the generation is done
+        connection.auto_open = 0  # once abandoned (closed below), a send not yet made fails instead of reconnecting
         reply: dict = {}
         done = threading.Event()
 
