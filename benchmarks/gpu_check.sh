@@ -19,6 +19,9 @@ python -c "from trl_async.tiny import save_tiny_model; save_tiny_model('$MODEL',
 #   norms stay on the GPU, the matrices' shards live on the CPU): mixed devices, which must take DeepSpeed's
 #   GatheredParameters path and still push exact weights (issue 22 item 3; on CPU the offload shards sit on the
 #   compute device, so only a GPU exercises this).
+# - zero3_reattach: every shard on the GPU; after step 2 the server is SIGKILLed and started again on its port, and
+#   the trainer must re-attach it over a new NCCL group (issue 24) and end with its greedy output equal to the
+#   trained model's (the weights that came over the new group).
 python - "$OUT" <<'PY'
 import json, sys
 base = json.load(open("recipes/accelerate/zero3_offload.json"))
@@ -27,15 +30,21 @@ json.dump(base, open(f"{sys.argv[1]}/zero3_offload_gpu.json", "w"), indent=1)
 PY
 PORT=8765
 SERVER=
-trap 'if [ -n "$SERVER" ]; then kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true; fi' EXIT
-for ZERO in zero3 zero3_offload; do
+trap 'if [ -n "$SERVER" ]; then kill -KILL -- -$SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true; fi' EXIT
+for ZERO in zero3 zero3_offload zero3_reattach; do
     case $ZERO in
-        zero3) DS_JSON=recipes/accelerate/zero3.json ;;
+        zero3|zero3_reattach) DS_JSON=recipes/accelerate/zero3.json ;;
         zero3_offload) DS_JSON="$OUT/zero3_offload_gpu.json" ;;
     esac
-    python -m trl_async.vllm_serve --model "$MODEL" --host 127.0.0.1 --port "$PORT" --transport nccl -- \
-        --gpu-memory-utilization 0.3 --max-model-len 256 --enforce-eager > "$OUT/server_$ZERO.log" 2>&1 &
+    SERVE=(python -m trl_async.vllm_serve --model "$MODEL" --host 127.0.0.1 --port "$PORT" --transport nccl --
+           --gpu-memory-utilization 0.3 --max-model-len 256 --enforce-eager)
+    setsid "${SERVE[@]}" > "$OUT/server_$ZERO.log" 2>&1 &  # its own process group: killed whole (engine included)
     SERVER=$!
+    unset GPU_CHECK_RESTART GPU_CHECK_SERVER_PGID
+    if [ "$ZERO" = zero3_reattach ]; then
+        export GPU_CHECK_SERVER_PGID=$SERVER
+        export GPU_CHECK_RESTART=$(python -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "${SERVE[@]}")
+    fi
     cat > "$OUT/${ZERO}_1gpu.yaml" <<YAML
 compute_environment: LOCAL_MACHINE
 distributed_type: DEEPSPEED
@@ -47,15 +56,20 @@ num_processes: 1
 machine_rank: 0
 use_cpu: false
 YAML
+    STEPS=4; [ "$ZERO" = zero3_reattach ] && STEPS=6
     accelerate launch --config_file "$OUT/${ZERO}_1gpu.yaml" benchmarks/gpu_check.py \
-        "$OUT/gpu_check_$ZERO.json" "$MODEL" "http://127.0.0.1:$PORT" 4 2>&1 | tail -40 || true
-    kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true; SERVER=
+        "$OUT/gpu_check_$ZERO.json" "$MODEL" "http://127.0.0.1:$PORT" $STEPS 2>&1 | tail -40 || true
+    kill -KILL -- -$SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true; SERVER=
+    if [ -f "$OUT/gpu_check_$ZERO.json.pgid" ]; then  # the restarted server
+        kill -KILL -- -"$(cat "$OUT/gpu_check_$ZERO.json.pgid")" 2>/dev/null || true
+    fi
 done
+unset GPU_CHECK_RESTART GPU_CHECK_SERVER_PGID
 python - "$OUT" <<'PY'
 import json, os, sys
 out = sys.argv[1]
 verdicts = {}
-for zero in ("zero3", "zero3_offload"):
+for zero in ("zero3", "zero3_offload", "zero3_reattach"):
     path = f"{out}/gpu_check_{zero}.json"
     verdicts[zero] = json.load(open(path)) if os.path.exists(path) else {"ok": False, "error": "no verdict (see log)"}
 # the offload run must really have had shards off the GPU (else it checked the flat path twice)
