@@ -228,13 +228,17 @@ def run_one(spec: dict) -> dict:
 
 
 def launch(name: str, seed: int, steps: int, eval_every: int, work: str, servers: dict, completion_length=None,
-           task: str = "demo") -> dict:
+           task: str = "demo", fixed_length: bool = False) -> dict:
     config = CONFIGS[name]
     out = Path(work) / f"{name}-{seed}.json"
     spec = {**config, "seed": seed, "steps": steps, "eval_every": eval_every, "task": task,
             "output_dir": str(Path(work) / f"out-{name}-{seed}"), "launched_at": time.time()}  # fmt: skip
     if completion_length:
         spec["train"] = {**spec.get("train", {}), "max_completion_length": completion_length}
+    if fixed_length:  # equal work per step: no completion ends before the budget (EOS masked until then)
+        budget = completion_length or TASK["max_completion_length"]
+        spec["train"] = {**spec.get("train", {}),
+                         "generation_kwargs": {"min_tokens" if config.get("vllm") else "min_new_tokens": budget}}  # fmt: skip
     if config.get("vllm"):
         server = servers[config["vllm"]]
         spec["overrides"] = {**spec["overrides"], "rollout_vllm_urls": [server.url], "vllm_server_timeout": 120}
@@ -440,7 +444,7 @@ def collect(cli) -> list[dict]:
             for seed in cli.seeds:  # interleaved
                 for name in cli.configs:
                     runs.append(launch(name, seed, cli.steps, cli.eval_every, work, servers, cli.max_completion_length,
-                                       cli.task))
+                                       cli.task, cli.fixed_length))
                     run = runs[-1]
                     print(f"{name} seed {seed}: {run['end_to_end_s']:.0f} s, {run['completion_tokens']:.0f} tokens, "
                           f"final {run['curve'][-1]['accuracy'] if run['curve'] else '-'}", flush=True)  # fmt: skip
@@ -479,6 +483,9 @@ def main() -> None:
     parser.add_argument("--reference", default="sync",
                         help="the configuration whose final accuracy is the target and whose rates are 1.0 "
                         "(ded_sync for the dedicated-device runs: then the bound from its phases is reported)")
+    parser.add_argument("--fixed_length", action="store_true",
+                        help="every completion exactly max_completion_length tokens (EOS masked until then: "
+                        "min_new_tokens / vLLM's min_tokens), so every step carries the same work")
     parser.add_argument("--task", choices=sorted(TASKS), default="demo",
                         help="sparse: the correct answer only, temperature 1.0, lr 5e-6 (most groups without signal)")
     parser.add_argument("--from_json", help="recompute the table and plot from a results JSON (no runs)")
@@ -503,11 +510,13 @@ def main() -> None:
         cli.reference = saved["meta"].get("reference", "sync")
         cli.max_completion_length = saved["meta"].get("max_completion_length")
         cli.task = saved["meta"].get("task_name", "demo")
+        cli.fixed_length = saved["meta"].get("fixed_length", False)
     rows, targets = summarise(runs, cli.configs, cli.reference)
     precision = saved["meta"].get("precision", "?") if cli.from_json else described_precision(TASK["bf16"] is None, False)
     meta = {"precision": precision, "reference": cli.reference, "task_name": cli.task,
             "task_overrides": TASKS[cli.task], "phases": rows[0].get("phases"),
-            "max_completion_length": cli.max_completion_length or TASK["max_completion_length"], "steps": cli.steps, "eval_every": cli.eval_every, "seeds": cli.seeds, "task": TASK, "heldout": HELDOUT,
+            "max_completion_length": cli.max_completion_length or TASK["max_completion_length"],
+            "fixed_length": cli.fixed_length, "steps": cli.steps, "eval_every": cli.eval_every, "seeds": cli.seeds, "task": TASK, "heldout": HELDOUT,
             "in_distribution": IN_DISTRIBUTION, "sync_final_accuracy": targets}  # fmt: skip
     recorded = {"machine": saved["machine"]} if cli.from_json and "machine" in saved else {}  # where it ran
     report.write_json(cli.name, {**recorded, "meta": meta, "rows": rows, "runs": runs})
@@ -537,7 +546,8 @@ def main() -> None:
                   f"{phases['bound']:.2f}×; 'of bound' is tokens/s × {ref} over that." if phases else "")  # fmt: skip
     task_note = "" if cli.task == "demo" else f"Task {cli.task!r}: {TASKS[cli.task]}. "
     header_note = (f"{task_note}2 cores; configurations without a precision in their name in {precision}; "
-                   f"{meta['max_completion_length']} completion tokens at most.{bound_note} "
+                   f"{meta['max_completion_length']} completion tokens "
+                   f"{'exactly (EOS masked until then)' if cli.fixed_length else 'at most'}.{bound_note} "
                    f"{cli.steps} steps, seeds {cli.seeds}, greedy accuracy every {cli.eval_every} steps on "
                    f"{HELDOUT['n']} held-out-template and {IN_DISTRIBUTION['n']} train-template problems; the "
                    f"final accuracies (the targets, from {ref}): {targets}")  # fmt: skip
