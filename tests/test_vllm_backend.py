@@ -54,6 +54,12 @@ class _AdapterLog:
     def unload_lora_adapter(self, name, retry=True, timeout_s=None):
         del self.loaded[name]
 
+    def request(self, *args, **kwargs):  # at close: gone (the draining is tested in test_vllm_adapter_close.py)
+        raise ConnectionRefusedError
+
+    def healthy(self, timeout_s=None):
+        return False
+
 
 @pytest.mark.unit
 def test_served_adapters_keep_the_newest_versions_and_any_a_request_still_uses(tmp_path):
