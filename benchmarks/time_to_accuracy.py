@@ -68,6 +68,12 @@ CONFIGS: dict[str, dict] = {
     # a vLLM CPU server (float32, eager) on the same 2 cores at niceness 19, started once before its runs (its ~40 s
     # start-up is not in the clock: a server outlives training runs), weights pushed over gloo after every step
     "async_vllm": dict(kind="async", threads=2, env=PASSIVE, overrides=dict(rollout_backend="vllm"), vllm="shared"),
+    # which ready group trains next (issue 24): a vLLM lane sends one request per group, so groups come back in the
+    # order their completions end (short first); arrival order (the default) against strict admission order
+    "async_vllm_s2": dict(kind="async", threads=2, env=PASSIVE, vllm="shared",
+                          overrides=dict(rollout_backend="vllm", max_staleness=2)),  # fmt: skip
+    "async_vllm_s2_w1": dict(kind="async", threads=2, env=PASSIVE, vllm="shared",
+                             overrides=dict(rollout_backend="vllm", max_staleness=2, rollout_consumption_window=1)),  # fmt: skip
     # A dedicated generation device, emulated with a core each (issue 21): generation on core 1, training on core 0
     # (rollout_cpu_affinity pins the workers to core 1 and the trainer process to the rest). ded_sync is the same
     # pipeline at max_staleness=0: generate, then train, then sync, i.e. GRPOTrainer's server-mode schedule
@@ -220,6 +226,8 @@ def run_one(spec: dict) -> dict:
             1 - h["completions/mean_length"] / h["completions/max_length"] for h in logs
         ),
         "dropped_stale": logs[-1].get("async/dropped_stale") if logs else None,
+        "mean_length": [h["completions/mean_length"] for h in logs],  # per step: the trained completions' mix
+        "clipped_ratio": [h.get("completions/clipped_ratio") for h in logs],
         # steps whose every group had rewards all equal (no gradient), and the groups dynamic sampling dropped
         "zero_signal_steps": sum(h.get("frac_reward_zero_std", 0.0) >= 1.0 for h in logs),
         "filtered_groups": logs[-1].get("async/filtered_groups") if logs else None,

@@ -43,8 +43,17 @@ def test_greedy_accuracy_is_logged_by_evaluate_and_matches_unbatched_greedy(tmp_
         eval_dataset=heldout,
     )
     assert greedy_completions(trainer, prompts, max_new_tokens=4, batch_size=4) == expected  # batches of 4 + 2
-    callback = GreedyAccuracyCallback(trainer, heldout, _first_char_reward)
+    # a second score of the same greedy completions: the two-character prefix, right only where the completion's
+    # first two characters are the expected ones (all six, by construction of the targets below)
+    two_chars = [e[:2] for e in expected]
+
+    def prefix_reward(completions, **kwargs):
+        return [1.0 if c[0]["content"][:2] == t else 0.0 for c, t in zip(completions, two_chars, strict=True)]
+
+    callback = GreedyAccuracyCallback(trainer, heldout, _first_char_reward, also={"prefix": prefix_reward})
     trainer.add_callback(callback)
     trainer.evaluate()
     logged = [h for h in trainer.state.log_history if "eval_greedy_accuracy" in h]
     assert [h["eval_greedy_accuracy"] for h in logged] == [5 / 6] and callback.history == [(0, 5 / 6)]
+    assert [h["eval_greedy_prefix"] for h in logged] == [1.0]
+    assert callback.scores == [(0, {"accuracy": 5 / 6, "prefix": 1.0})]

@@ -54,31 +54,50 @@ def greedy_completions(trainer, prompts: list, max_new_tokens: int, batch_size: 
     return completions
 
 
-def greedy_accuracy(trainer, dataset, reward_func: Callable) -> float:
-    """Mean of ``reward_func`` over one greedy completion per row of ``dataset`` (its other columns are passed to
-    ``reward_func`` as keyword arguments, as GRPOTrainer does)."""
+def greedy_scores(trainer, dataset, reward_funcs: dict[str, Callable]) -> dict[str, float]:
+    """The mean of each reward function (by name) over one greedy completion per row of ``dataset``, generated once
+    (the other columns are passed to every function as keyword arguments, as GRPOTrainer does)."""
     prompts = list(dataset["prompt"])
     completions = greedy_completions(trainer, prompts, trainer.max_completion_length)
     columns = {k: list(dataset[k]) for k in dataset.column_names if k != "prompt"}
     if is_conversational({"prompt": prompts[0]}):
         completions = [[{"role": "assistant", "content": c}] for c in completions]
-    scores = reward_func(prompts=prompts, completions=completions, **columns)
-    return sum(float(s) for s in scores) / len(scores)
+    scored = {}
+    for name, reward_func in reward_funcs.items():
+        scores = reward_func(prompts=prompts, completions=completions, **columns)
+        scored[name] = sum(float(s) for s in scores) / len(scores)
+    return scored
+
+
+def greedy_accuracy(trainer, dataset, reward_func: Callable) -> float:
+    """Mean of ``reward_func`` over one greedy completion per row of ``dataset``."""
+    return greedy_scores(trainer, dataset, {"accuracy": reward_func})["accuracy"]
 
 
 class GreedyAccuracyCallback(TrainerCallback):
     """On every evaluation, log ``eval_greedy_accuracy`` (and the seconds it took, ``eval_greedy_seconds``): greedy
-    accuracy of the current weights on ``dataset`` under ``reward_func``. ``history`` keeps ``(step, accuracy)``."""
+    accuracy of the current weights on ``dataset`` under ``reward_func``. ``history`` keeps ``(step, accuracy)``.
+    ``also`` (name -> reward function) scores the same greedy completions under more functions, logged as
+    ``eval_greedy_<name>``; ``scores`` keeps ``(step, {"accuracy": ..., name: ...})``."""
 
-    def __init__(self, trainer, dataset, reward_func: Callable) -> None:
+    def __init__(self, trainer, dataset, reward_func: Callable, also: dict[str, Callable] | None = None) -> None:
         self.trainer, self.dataset, self.reward_func = trainer, dataset, reward_func
+        self.also = dict(also or {})
+        if "accuracy" in self.also:
+            raise ValueError("GreedyAccuracyCallback: `also` may not use the name 'accuracy' (reward_func's)")
         self.history: list[tuple[int, float]] = []
+        self.scores: list[tuple[int, dict[str, float]]] = []
+
+    def measure_all(self) -> dict[str, float]:
+        return greedy_scores(self.trainer, self.dataset, {"accuracy": self.reward_func, **self.also})
 
     def measure(self) -> float:
-        return greedy_accuracy(self.trainer, self.dataset, self.reward_func)
+        return self.measure_all()["accuracy"]
 
     def on_evaluate(self, args, state, control, **kwargs):
         start = time.perf_counter()
-        accuracy = self.measure()
-        self.history.append((state.global_step, accuracy))
-        self.trainer.log({"eval_greedy_accuracy": accuracy, "eval_greedy_seconds": time.perf_counter() - start})
+        scores = self.measure_all()
+        self.history.append((state.global_step, scores["accuracy"]))
+        self.scores.append((state.global_step, scores))
+        self.trainer.log({**{f"eval_greedy_{name}": value for name, value in scores.items()},
+                          "eval_greedy_seconds": time.perf_counter() - start})  # fmt: skip
