@@ -226,7 +226,8 @@ def run_one(spec: dict) -> dict:
             1 - h["completions/mean_length"] / h["completions/max_length"] for h in logs
         ),
         "dropped_stale": logs[-1].get("async/dropped_stale") if logs else None,
-        "mean_length": [h["completions/mean_length"] for h in logs],  # per step: the trained completions' mix
+        # per step: the mean length of the completions consumed (a masked, truncated one counts, untrained)
+        "mean_length": [h["completions/mean_length"] for h in logs],
         "clipped_ratio": [h.get("completions/clipped_ratio") for h in logs],
         # steps whose every group had rewards all equal (no gradient), and the groups dynamic sampling dropped
         "zero_signal_steps": sum(h.get("frac_reward_zero_std", 0.0) >= 1.0 for h in logs),

@@ -87,6 +87,9 @@ def main(demo: DemoArguments, args: AsyncGRPOConfig) -> dict:
     trainer.accelerator.end_training()
     if not state.is_main_process:
         return {}
+    sampled_form = [
+        h["rewards/format_reward/mean"] for h in trainer.state.log_history if "rewards/format_reward/mean" in h
+    ]
     summary = {
         "heldout_greedy_accuracy_before": round(before[0]["accuracy"], 3),
         "heldout_greedy_accuracy_after": round(after[0]["accuracy"], 3),
@@ -98,6 +101,8 @@ def main(demo: DemoArguments, args: AsyncGRPOConfig) -> dict:
         "cpu": cpu_name(),
         "precision": precision,
         **run_summary(trainer.state.log_history, seconds, samples_per_step(args, state.num_processes)),
+        # what the rollout workers sampled at the last logged step, i.e. with the weights pushed to them
+        "sampled_answer_form_last": round(sampled_form[-1], 3),
     }
     print_summary(f"trl_async CPU demo ({os.path.basename(model)}, arithmetic word problems)", summary)
     os.makedirs(args.output_dir, exist_ok=True)
@@ -109,8 +114,9 @@ def main(demo: DemoArguments, args: AsyncGRPOConfig) -> dict:
 
 DEMO_DEFAULTS = dict(
     output_dir="outputs/cpu_demo",
-    # 12 steps: held-out accuracy rose 0.23 -> 0.52 by step 12 in float32 (and 0.23 -> 0.36 in bf16), and the demo
-    # stays under 10 minutes on a 2-core CPU without native bf16 (~28 s per float32 step there)
+    # 12 steps: the answer form is learned (held-out greedy completions stating it: 0.42 -> 1.00) and the demo stays
+    # under 10 minutes on a 2-core CPU without native bf16 (~28 s per float32 step there); held-out accuracy at step
+    # 12 is within run-to-run noise (README)
     max_steps=12,
     **TRAINING_SETTINGS,
     # a constant learning rate: with TRL's linear decay to 0 over 12 steps, the answer format is learned later, so
@@ -120,8 +126,8 @@ DEMO_DEFAULTS = dict(
     # completions cut off at the budget leave the loss (TRL's option, DAPO's overlong filtering). Without it, on an
     # Intel Xeon with AMX (bf16), a truncated completion that had stated an answer in the asked-for form was reinforced
     # like a finished one: completions grew to the 32-token budget (69% clipped by step 24, 75-87% of the greedy
-    # evaluation's), answers were cut off, and held-out greedy accuracy stayed at 0.23 after 12 steps (0.25 after 24),
-    # which failed CI. With it, completions settled near 15 tokens, unclipped, and held-out accuracy rose
+    # evaluation's) and answers were cut off. With it, completions settled near 15 tokens (0-3% clipped); held-out
+    # accuracy moved within its noise either way (README)
     mask_truncated_completions=True,
     logging_steps=4,
     eval_strategy="steps",

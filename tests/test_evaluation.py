@@ -1,11 +1,12 @@
 """Greedy held-out accuracy: batched left-padded greedy decoding equals one prompt at a time, and the callback logs
 it through the trainer's own evaluation."""
 
+import pytest
 import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_async import AsyncGRPOTrainer
+from trl_async import AsyncGRPOTrainer, evaluation
 from trl_async.evaluation import GreedyAccuracyCallback, greedy_completions
 
 from .conftest import async_args
@@ -15,7 +16,7 @@ def _first_char_reward(completions, target, **kwargs):
     return [1.0 if c[0]["content"][:1] == t else 0.0 for c, t in zip(completions, target, strict=True)]
 
 
-def test_greedy_accuracy_is_logged_by_evaluate_and_matches_unbatched_greedy(tmp_path, tiny_model_dir):
+def test_greedy_accuracy_is_logged_by_evaluate_and_matches_unbatched_greedy(tmp_path, tiny_model_dir, monkeypatch):
     # prompts of different lengths, so a batch needs padding (left, or the completions would differ)
     questions = ["a", "bb c", "d", "eee ffff", "g h", "ii"]
     prompts = [[{"role": "user", "content": q}] for q in questions]
@@ -52,8 +53,15 @@ def test_greedy_accuracy_is_logged_by_evaluate_and_matches_unbatched_greedy(tmp_
 
     callback = GreedyAccuracyCallback(trainer, heldout, _first_char_reward, also={"prefix": prefix_reward})
     trainer.add_callback(callback)
+    generated = []  # every score of an evaluation comes from one greedy generation
+    monkeypatch.setattr(evaluation, "greedy_completions",
+                        lambda *a, **k: generated.append(1) or greedy_completions(*a, **k))  # fmt: skip
     trainer.evaluate()
+    assert len(generated) == 1
     logged = [h for h in trainer.state.log_history if "eval_greedy_accuracy" in h]
     assert [h["eval_greedy_accuracy"] for h in logged] == [5 / 6] and callback.history == [(0, 5 / 6)]
     assert [h["eval_greedy_prefix"] for h in logged] == [1.0]
     assert callback.scores == [(0, {"accuracy": 5 / 6, "prefix": 1.0})]
+    for taken in ("accuracy", "seconds"):  # names the callback logs already
+        with pytest.raises(ValueError, match=taken):
+            GreedyAccuracyCallback(trainer, heldout, _first_char_reward, also={taken: prefix_reward})

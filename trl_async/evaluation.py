@@ -45,10 +45,14 @@ def greedy_completions(trainer, prompts: list, max_new_tokens: int, batch_size: 
             else:
                 batch = tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left")
             batch = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
-            out = model.generate(
-                **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                synced_gpus=trainer._dist.is_zero3,
-            )  # fmt: skip
+            # in the trainer's compute precision, before training as after: accelerate wraps the model's forward in
+            # autocast only when train() prepares it, so without this a measurement before training would be float32
+            # and one after bf16 autocast, a difference that is no learning
+            with trainer.accelerator.autocast():
+                out = model.generate(
+                    **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                    synced_gpus=trainer._dist.is_zero3,
+                )  # fmt: skip
             completions += tokenizer.batch_decode(out[:, batch["input_ids"].size(1) :], skip_special_tokens=True)
         model.train(was_training)
     return completions
@@ -83,8 +87,10 @@ class GreedyAccuracyCallback(TrainerCallback):
     def __init__(self, trainer, dataset, reward_func: Callable, also: dict[str, Callable] | None = None) -> None:
         self.trainer, self.dataset, self.reward_func = trainer, dataset, reward_func
         self.also = dict(also or {})
-        if "accuracy" in self.also:
-            raise ValueError("GreedyAccuracyCallback: `also` may not use the name 'accuracy' (reward_func's)")
+        taken = {"accuracy", "seconds"} & set(self.also)  # reward_func's score, and the logged eval_greedy_seconds
+        if taken:
+            raise ValueError(f"GreedyAccuracyCallback: `also` may not use the names {sorted(taken)}: they are logged "
+                             "already (eval_greedy_accuracy, eval_greedy_seconds); rename them")  # fmt: skip
         self.history: list[tuple[int, float]] = []
         self.scores: list[tuple[int, dict[str, float]]] = []
 
