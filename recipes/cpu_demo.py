@@ -102,7 +102,7 @@ def main(demo: DemoArguments, args: AsyncGRPOConfig) -> dict:
         "precision": precision,
         **run_summary(trainer.state.log_history, seconds, samples_per_step(args, state.num_processes)),
         # what the rollout workers sampled at the last logged step, i.e. with the weights pushed to them
-        "sampled_answer_form_last": round(sampled_form[-1], 3),
+        "sampled_answer_form_last": round(sampled_form[-1], 3) if sampled_form else None,  # None: nothing logged
     }
     print_summary(f"trl_async CPU demo ({os.path.basename(model)}, arithmetic word problems)", summary)
     os.makedirs(args.output_dir, exist_ok=True)
