@@ -200,6 +200,8 @@ def run_one(spec: dict) -> dict:
     if spec["eval_every"] and spec["steps"] % spec["eval_every"]:
         evaluate(trainer, spec["steps"])
     logs = [h for h in trainer.state.log_history if "reward" in h]
+    pool = getattr(trainer, "last_rollout_pool", None)  # the workers' generate calls, in the order they started
+    calls = sorted((start, end - start) for kind, _, start, end in (pool.activity if pool else ()) if kind == "generate")
     # TRL's completion metrics are gathered over ranks: mean length times the global batch
     completion_tokens = sum(h["completions/mean_length"] * TASK["per_device_train_batch_size"] for h in logs)
     mean = lambda key: statistics.fmean(h[key] for h in logs) if logs and key in logs[0] else None  # noqa: E731
@@ -220,6 +222,8 @@ def run_one(spec: dict) -> dict:
         "trainer_wait_s_mean": mean("async/trainer_wait_s"),
         "trainer_wait_s": [h.get("async/trainer_wait_s") for h in logs],  # per step: G of the synchronous schedule
         "generate_s": generate_s or None,  # GRPOTrainer's runs: generation per step (evaluations not counted)
+        # AsyncGRPOTrainer's runs: each rollout worker generate call's seconds (one call a batch of groups)
+        "worker_generate_s": [seconds for _, seconds in calls] or None,
         "weight_sync_s_mean": mean("async/weight_sync_s"),
         # decode steps spent on rows that had already finished, if the batch is one generate call: 1 - mean/max length
         "finished_row_steps": statistics.fmean(

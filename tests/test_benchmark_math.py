@@ -58,3 +58,20 @@ def test_the_dedicated_prediction_takes_one_core_rates_from_shared_core_runs_onl
     # behind training, so the trainer alone sets the pace, T + S = 18 s
     assert predict(rates, 0) == pytest.approx(23.0)
     assert predict(rates, 1) == pytest.approx(18.0)
+
+
+@pytest.mark.unit
+def test_the_worker_engine_rates_are_its_generate_calls_and_the_trainer_step_less_its_wait():
+    from predict_dedicated import compare, worker_engine_rates
+
+    # first call and first step left out: G = mean(3, 5, 4) = 4; T = mean(20-2, 22-6, 17-0) = 17; S = mean(0.2, 0.4)
+    runs = [{"config": "async_1+1", "worker_generate_s": [30.0, 3.0, 5.0], "step_s": [50.0, 20.0, 22.0],
+             "trainer_wait_s": [40.0, 2.0, 6.0], "weight_sync_s_mean": 0.2},
+            {"config": "async_1+1", "worker_generate_s": [20.0, 4.0], "step_s": [60.0, 17.0],
+             "trainer_wait_s": [50.0, 0.0], "weight_sync_s_mean": 0.4}]  # fmt: skip
+    assert worker_engine_rates(runs) == pytest.approx({"G_s": 4.0, "T_s": 17.0, "S_s": 0.3})
+    # the dedicated runs are predicted from those rates only: lock-step G + T + S = 21.3 s (measured 25: -14.8%)
+    rates, rows = compare(runs + [{"config": "ded_sync", "step_s": [99.0, 25.0, 25.0]}])
+    assert list(rates) == ["async_1+1"] and rows[0]["config"] == "ded_sync"
+    assert rows[0]["predicted_s_per_step[async_1+1]"] == pytest.approx(21.3)
+    assert rows[0]["error[async_1+1]"] == pytest.approx(21.3 / 25 - 1)
