@@ -192,7 +192,7 @@ def test_workers_sample_from_the_trainers_adapted_model_of_each_version(tmp_path
     assert len(versions_seen) >= 2, versions_seen
     checked, stale_caught, errors = 0, 0, []
     ordered = sorted(versions_seen)  # not always consecutive: two steps may train on one version (e.g. 0, 0, 2, 2)
-    for version, following in zip(ordered, ordered[1:] + [None]):
+    for version, following in zip(ordered, ordered[1:] + [None], strict=True):
         for r in records:
             expected = teacher_forced(reference, params, trainer.snapshots[version], r, temperature)
             for t, v in enumerate(r["versions"]):
