@@ -65,3 +65,21 @@ def test_greedy_accuracy_is_logged_by_evaluate_and_matches_unbatched_greedy(tmp_
     for taken in ("accuracy", "seconds"):  # names the callback logs already
         with pytest.raises(ValueError, match=taken):
             GreedyAccuracyCallback(trainer, heldout, _first_char_reward, also={taken: prefix_reward})
+
+
+def test_greedy_evaluation_runs_in_the_trainers_compute_precision_before_training_too(tmp_path, tiny_model_dir):
+    """accelerate wraps the model's forward in autocast only once train() prepares it: an evaluation before training
+    must still run under the trainer's autocast (bf16 here), or a before/after comparison measures precision."""
+    args = async_args(tmp_path, max_steps=1, max_completion_length=4, bf16=True)
+    train = Dataset.from_list([{"prompt": [{"role": "user", "content": f"x{i}"}]} for i in range(8)])
+    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                               args=args, train_dataset=train)  # fmt: skip
+    seen = []
+    hook = trainer.model.register_forward_pre_hook(
+        lambda *_: seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+    )
+    try:
+        greedy_completions(trainer, [[{"role": "user", "content": "a"}]], max_new_tokens=2, batch_size=1)
+    finally:
+        hook.remove()
+    assert seen and set(seen) == {(True, torch.bfloat16)}
