@@ -60,6 +60,12 @@ def worker_engine_rates(one_plus_one_runs: list[dict]) -> dict:
     """Pure: the one-core phase costs (seconds) of AsyncGRPOTrainer's own engines, from shared-core runs with one
     thread a side: G = a rollout worker's generate call (calls after each run's first), T = the trainer's step less
     its wait for data (steps after the first), S = its weight publish per step."""
+    for r in one_plus_one_runs:
+        if r.get("eval_s") or len(r.get("worker_generate_s") or []) < 2 or r.get("weight_sync_s_mean") is None:
+            raise ValueError(
+                f"{r['config']} seed {r.get('seed')}: a rate source needs at least 2 worker generate calls, a weight "
+                "sync and no evaluations (workers are stopped during one, mid-call): run it with --eval_every 0"
+            )
     gens = [g for r in one_plus_one_runs for g in r["worker_generate_s"][1:]]
     rests = [s - w for r in one_plus_one_runs for s, w in zip(r["step_s"][1:], r["trainer_wait_s"][1:], strict=True)]
     return {
@@ -85,8 +91,11 @@ def predict(rates: dict, max_staleness: int, steps: int = 40) -> float:
 
 
 # where the rates come from (the shared-core configuration) -> what measured them
-SOURCES = {"async_1+1": "the rollout worker's generate calls and AsyncGRPOTrainer's step, one thread a side",
-           "sync_1thread": "GRPOTrainer's generation and the rest of its step, one thread"}
+SOURCES = {
+    "async_1+1": "the rollout worker's generate calls and AsyncGRPOTrainer's step, one thread a side",
+    "sync_1thread": "GRPOTrainer's generation and the rest of its step, one thread",
+}
+
 
 def compare(runs: list[dict]) -> tuple[dict, list[dict]]:
     """Per available source of rates (``SOURCES``), the rates; per dedicated configuration, the measured steady
@@ -99,6 +108,10 @@ def compare(runs: list[dict]) -> tuple[dict, list[dict]]:
         rates["async_1+1"] = worker_engine_rates(by_config["async_1+1"])
     if "sync_1thread" in by_config:
         rates["sync_1thread"] = shared_core_rates(by_config["sync_1thread"], by_config.get("async", []))
+    if not rates:
+        raise ValueError(
+            f"no rate source among the runs: run one of {list(SOURCES)} beside the dedicated configurations"
+        )
     rows = []
     for config, eta in PREDICTED.items():
         if config not in by_config:

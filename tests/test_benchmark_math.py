@@ -75,3 +75,8 @@ def test_the_worker_engine_rates_are_its_generate_calls_and_the_trainer_step_les
     assert list(rates) == ["async_1+1"] and rows[0]["config"] == "ded_sync"
     assert rows[0]["predicted_s_per_step[async_1+1]"] == pytest.approx(21.3)
     assert rows[0]["error[async_1+1]"] == pytest.approx(21.3 / 25 - 1)
+    # a run with evaluations (its workers stopped mid-call) is no rate source, nor is a set of runs without one
+    with pytest.raises(ValueError, match="--eval_every 0"):
+        worker_engine_rates([{**runs[0], "eval_s": 12.0}])
+    with pytest.raises(ValueError, match="no rate source"):
+        compare([{"config": "ded_sync", "step_s": [99.0, 25.0]}])
