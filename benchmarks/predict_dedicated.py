@@ -107,7 +107,8 @@ def compare(runs: list[dict]) -> tuple[dict, list[dict]]:
     if "async_1+1" in by_config:
         rates["async_1+1"] = worker_engine_rates(by_config["async_1+1"])
     if "sync_1thread" in by_config:
-        rates["sync_1thread"] = shared_core_rates(by_config["sync_1thread"], by_config.get("async", []))
+        async_runs = by_config.get("async", []) + by_config.get("async_1+1", [])  # S: the async trainer's publish
+        rates["sync_1thread"] = shared_core_rates(by_config["sync_1thread"], async_runs)
     if not rates:
         raise ValueError(
             f"no rate source among the runs: run one of {list(SOURCES)} beside the dedicated configurations"
