@@ -1,11 +1,12 @@
 """The pipeline simulator, out of sample: predict the dedicated-device runs from shared-core runs (issue 21 item 4).
 
-Inputs come only from runs where generation and training share the cores, never from the dedicated runs themselves.
-Two sets of one-core phase costs, each fed to the simulator in turn:
-- **the worker engine's** (``async_1+1``: AsyncGRPOTrainer on the two shared cores, trainer and worker one thread
-  each, no pinning): G = one rollout worker generate call (the batch's groups in one call), T = the trainer's step
-  less its wait for data, S = its weight publish. The engine that generates in the dedicated runs is the one
-  measured, so this is the prediction;
+Inputs come only from runs without pinning, never from the dedicated runs themselves. Two sets of one-core phase
+costs, each fed to the simulator in turn:
+- **the worker engine's** (``async_1+1``: AsyncGRPOTrainer on the two cores unpinned, trainer and worker one thread
+  each): G = one rollout worker generate call (the batch's groups in one call), T = the trainer's step less its wait
+  for data, S = its weight publish. The engine that generates in the dedicated runs is the one measured. On two
+  cores the kernel gives each one-thread process a core of its own, so ``async_1+1`` is ``ded_async_s1`` without the
+  pinning: only the ``ded_sync`` prediction (the other schedule) is out of sample for this source;
 - **GRPOTrainer's** (``sync_1thread``: it alternates the two phases on one thread): G = its generation per step, T =
   the rest of its step, S from the shared-core async runs. Kept to show what the wrong G costs: TRL generates with
   the float32 weights under autocast, the worker with bf16 weights where bf16 is native, about twice as fast.
