@@ -58,7 +58,7 @@ def shared_core_rates(one_thread_runs: list[dict], async_runs: list[dict]) -> di
 
 
 def worker_engine_rates(one_plus_one_runs: list[dict]) -> dict:
-    """Pure: the one-core phase costs (seconds) of AsyncGRPOTrainer's own engines, from shared-core runs with one
+    """Pure: the one-core phase costs (seconds) of AsyncGRPOTrainer's own engines, from unpinned runs with one
     thread a side: G = a rollout worker's generate call (calls after each run's first), T = the trainer's step less
     its wait for data (steps after the first), S = its weight publish per step."""
     for r in one_plus_one_runs:
@@ -91,7 +91,7 @@ def predict(rates: dict, max_staleness: int, steps: int = 40) -> float:
     return simulate(pipeline, steps=steps).seconds_per_step(warmup=steps // 4)
 
 
-# where the rates come from (the shared-core configuration) -> what measured them
+# where the rates come from (an unpinned configuration) -> what measured them
 SOURCES = {
     "async_1+1": "the rollout worker's generate calls and AsyncGRPOTrainer's step, one thread a side",
     "sync_1thread": "GRPOTrainer's generation and the rest of its step, one thread",
@@ -121,8 +121,8 @@ def compare(runs: list[dict]) -> tuple[dict, list[dict]]:
         row = {"config": config, "max_staleness": eta, "seeds": len(by_config[config]),
                "measured_s_per_step": steady_s_per_step(by_config[config])}  # fmt: skip
         for source, r in rates.items():
-            row[f"predicted_s_per_step[{source}]"] = predict(r, eta)
-            row[f"error[{source}]"] = predict(r, eta) / row["measured_s_per_step"] - 1
+            predicted = row[f"predicted_s_per_step[{source}]"] = predict(r, eta)
+            row[f"error[{source}]"] = predicted / row["measured_s_per_step"] - 1
         rows.append(row)
     if len(rows) >= 2:  # the speed-up, predicted and measured (what a user sizes a cluster by)
         base = rows[0]
