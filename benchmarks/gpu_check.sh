@@ -4,7 +4,9 @@
 # with one rank: the gather code path, not the cross-rank traffic, which tests/test_distributed.py covers on CPU).
 # Needs, in the current Python environment: trl_async (pip install -e .), a CUDA build of torch and `vllm`.
 # Usage: bash benchmarks/gpu_check.sh [OUT_DIR]   -> OUT_DIR/gpu_check.json (one verdict per ZeRO-3 configuration),
-# exit status 0 when every check passed
+# exit status 0 when every check passed. GPU_CHECK_CONFIGS (default "zero3 zero3_offload zero3_reattach") chooses
+# which configurations run, in that order (each verdict file is written as soon as its run ends);
+# GPU_CHECK_SERVER_ARGS adds arguments to every vLLM server (e.g. "--attention-backend TRITON_ATTN").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-${OUT:-/tmp/gpu_check}}"
@@ -30,16 +32,37 @@ json.dump(base, open(f"{sys.argv[1]}/zero3_offload_gpu.json", "w"), indent=1)
 PY
 PORT=8765
 SERVER=
+# Wait for the server's /health; a server that exits first (a missing package, a kernel it lacks) fails its
+# configuration at once, with the end of its log, instead of the trainer waiting out vllm_server_timeout.
+server_up() {
+    local zero=$1 deadline=$((SECONDS + 600))
+    until python -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' \
+            "http://127.0.0.1:$PORT/health" 2>/dev/null; do
+        if ! kill -0 "$SERVER" 2>/dev/null || [ "$SECONDS" -gt "$deadline" ]; then
+            tail -30 "$OUT/server_$zero.log"
+            python -c 'import json, sys; json.dump({"ok": False, "error": "the vLLM server did not start: " + sys.argv[2]},
+                       open(sys.argv[1], "w"))' "$OUT/gpu_check_$zero.json" "$(grep -E 'Error|error' "$OUT/server_$zero.log" | tail -1)"
+            return 1
+        fi
+        sleep 2
+    done
+    echo "server for $zero healthy after $((SECONDS - ${2:-0})) s"
+}
 trap 'if [ -n "$SERVER" ]; then kill -KILL -- -$SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true; fi' EXIT
-for ZERO in zero3 zero3_offload zero3_reattach; do
+CONFIGS="${GPU_CHECK_CONFIGS:-zero3 zero3_offload zero3_reattach}"
+for ZERO in $CONFIGS; do
     case $ZERO in
         zero3|zero3_reattach) DS_JSON=recipes/accelerate/zero3.json ;;
         zero3_offload) DS_JSON="$OUT/zero3_offload_gpu.json" ;;
     esac
     SERVE=(python -m trl_async.vllm_serve --model "$MODEL" --host 127.0.0.1 --port "$PORT" --transport nccl --
-           --gpu-memory-utilization 0.3 --max-model-len 256 --enforce-eager)
+           --gpu-memory-utilization 0.3 --max-model-len 256 --enforce-eager ${GPU_CHECK_SERVER_ARGS:-})
     setsid "${SERVE[@]}" > "$OUT/server_$ZERO.log" 2>&1 &  # its own process group: killed whole (engine included)
     SERVER=$!
+    if ! server_up "$ZERO" "$SECONDS"; then
+        kill -KILL -- -$SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true; SERVER=
+        continue
+    fi
     unset GPU_CHECK_RESTART GPU_CHECK_SERVER_PGID
     if [ "$ZERO" = zero3_reattach ]; then
         export GPU_CHECK_SERVER_PGID=$SERVER
@@ -65,15 +88,15 @@ YAML
     fi
 done
 unset GPU_CHECK_RESTART GPU_CHECK_SERVER_PGID
-python - "$OUT" <<'PY'
+python - "$OUT" $CONFIGS <<'PY'
 import json, os, sys
 out = sys.argv[1]
 verdicts = {}
-for zero in ("zero3", "zero3_offload", "zero3_reattach"):
+for zero in sys.argv[2:]:
     path = f"{out}/gpu_check_{zero}.json"
     verdicts[zero] = json.load(open(path)) if os.path.exists(path) else {"ok": False, "error": "no verdict (see log)"}
 # the offload run must really have had shards off the GPU (else it checked the flat path twice)
-offload = verdicts["zero3_offload"]
+offload = verdicts.get("zero3_offload", {})
 if offload.get("ok") and not offload.get("shards_off_device"):
     offload["ok"], offload["error"] = False, "no shard was off the GPU: the offload configuration did not apply"
 verdicts["ok"] = all(v["ok"] for v in verdicts.values())
