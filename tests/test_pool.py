@@ -1,6 +1,7 @@
 """The rollout pool with real worker processes: admission control, backpressure, dropping stale groups, shutdown,
 and lost workers (killed, stopped) restarted with their groups generated again."""
 
+import logging
 import os
 import signal
 import threading
@@ -22,7 +23,7 @@ G = 2  # completions per group
 
 def make_pool(
     max_staleness, groups_per_batch=2, queue_size=None, workers=1, score=None, rows=8, max_restarts=0, heartbeat_s=10.0,
-    scoring_threads=1, max_new_tokens=3, publish_only=lambda name: True,
+    scoring_threads=1, max_new_tokens=3, publish_only=lambda name: True, timeout_s=60,
 ):  # fmt: skip
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, max_position_embeddings=max(256, max_new_tokens + 16))
@@ -51,7 +52,7 @@ def make_pool(
         steps_per_batch=1,
         max_staleness=max_staleness,
         queue_size=queue_size or (max_staleness + 1) * groups_per_batch,
-        timeout_s=60,
+        timeout_s=timeout_s,
         start_version=0,
         verify_weights=True,
         max_restarts=max_restarts,
@@ -184,6 +185,49 @@ def test_a_stuck_reward_does_not_stop_the_worker_health_checks():
     finally:
         release.set()
         pool.close()
+
+
+def test_a_hung_reward_function_is_named_in_the_timeout_not_only_the_workers():
+    """Both groups came back from the worker; one hangs in its reward function, the other waits behind it for the only
+    scoring thread. The trainer's timeout must say so, not only list healthy workers."""
+    release = threading.Event()
+
+    def score(group, row, environments=None):
+        release.wait(60)
+        return ScoredGroup(group, rewards=torch.zeros(G, 1))
+
+    pool, _ = make_pool(max_staleness=0, score=score, timeout_s=2)
+    try:
+        wait_until(lambda: pool.outstanding(0) == [] and pool.admitted == 2)
+        time.sleep(0.5)  # the scoring thread has picked up the first group
+        with pytest.raises(TimeoutError, match=r"1 group\(s\) inside reward functions, the longest for [0-9]+s; 1 "
+                                               r"waiting to be scored"):  # fmt: skip
+            pool.take(2, consumer_version=0)
+    finally:
+        release.set()
+        pool.close()
+
+
+def test_a_failure_after_the_last_batch_was_taken_is_reported_when_the_pool_closes(caplog):
+    """Nothing takes from the pool after the last step, so an error raised then (here by the reward function, on the
+    groups generated for a step that never comes) would otherwise vanish."""
+    calls = []
+
+    def score(group, row, environments=None):
+        calls.append(group.group_id)
+        if len(calls) > 2:
+            raise ValueError("reward exploded after the last step")
+        return ScoredGroup(group, rewards=torch.zeros(G, 1))
+
+    pool, model = make_pool(max_staleness=0, score=score)
+    try:
+        pool.take(2, consumer_version=0)
+        pool.publish([list(model.named_parameters())], version=1)  # the next step's groups are generated and scored
+        wait_until(lambda: pool._error is not None)
+    finally:
+        with caplog.at_level(logging.WARNING):
+            pool.close()
+    assert "reward exploded after the last step" in caplog.text
 
 
 def test_a_failing_reward_function_surfaces_on_the_main_thread_not_as_a_hang():

@@ -87,6 +87,7 @@ class RolloutPool:
         self._cv = threading.Condition()
         self._stop = False
         self._error: BaseException | None = None
+        self._error_raised = False  # close() reports an error that no take() raised (it came after the last one)
         self._published: int | None = None  # nothing is admitted before the first publish
         self._admitted = 0  # groups dispatched and not dropped
         self._consumed = 0
@@ -105,6 +106,7 @@ class RolloutPool:
         self.activity: deque[tuple[str, int, float, float]] = deque(maxlen=100_000)
 
         self._to_score: queue.SimpleQueue[RolloutGroup] = queue.SimpleQueue()
+        self._scoring: dict[int, float] = {}  # group id -> time.monotonic() its reward calls began (for timeouts)
         self._later_turns: deque[RolloutTask] = deque()  # turns of episodes under way: dispatched before new groups
         self.abandoned_groups = 0  # environments: groups whose reset raised
         self._abandoned_in_a_row = 0
@@ -178,7 +180,7 @@ class RolloutPool:
                         f"(dynamic_sampling), worker versions "
                         f"{self.worker_versions}, workers alive {[w.is_alive() for w in self.lanes.workers]}, taking "
                         f"work {[w.max_outstanding > 0 for w in self.lanes.workers]}, ready {len(self._ready)} "
-                        f"(rollout_consumption_window={self.settings.consumption_window})"
+                        f"(rollout_consumption_window={self.settings.consumption_window}); {self._scoring_state()}"
                     )
                 self._cv.wait(timeout=0.2)
             self._consumed += n
@@ -252,6 +254,8 @@ class RolloutPool:
             self._episodes.close()
         self.lanes.stop(timeout_s)
         self.backend.close()
+        if self._error is not None and not self._error_raised:
+            logger.warning("rollouts failed after the last batch was taken (nothing trained on it): %r", self._error)
 
     @property
     def processes(self) -> list:
@@ -454,9 +458,11 @@ class RolloutPool:
                 row = self._rows[group.group_id]
             started = time.time()
             environments = self._episodes.instances(group.group_id) if self._episodes is not None else None
+            self._scoring[group.group_id] = time.monotonic()
             try:
                 scored = self._score_group(group, row, environments)
             finally:
+                del self._scoring[group.group_id]
                 if environments is not None:
                     self._episodes.release(group.group_id)
             self.activity.append(("score", group.worker_id, started, time.time()))
@@ -474,6 +480,12 @@ class RolloutPool:
                 self._ready.append(scored)
                 self._cv.notify_all()
 
+    def _scoring_state(self) -> str:
+        """Where finished groups are in scoring (a hung reward function shows here, not as a worker fault)."""
+        started = list(self._scoring.values())
+        longest = f", the longest for {time.monotonic() - min(started):.0f}s" if started else ""
+        return f"{len(started)} group(s) inside reward functions{longest}; {self._to_score.qsize()} waiting to be scored"
+
     def _filter(self, group: RolloutGroup) -> None:
         """Dynamic sampling: ``group`` has no signal. Its admission slot goes to a new prompt; its own prompt is done
         for the stream and for resuming, whatever a checkpoint's step (a checkpoint reads the stream when it is saved,
@@ -486,4 +498,5 @@ class RolloutPool:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
+            self._error_raised = True
             raise self._error

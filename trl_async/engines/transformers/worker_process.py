@@ -118,7 +118,12 @@ class WorkerProcess(HoldsTasks):
 
     def stop(self, timeout_s: float) -> None:
         """Ask the worker to exit; kill it if it has not after ``timeout_s``. Messages it still sends are discarded
-        (so it never blocks on a full pipe). Closes the channels."""
+        (so it never blocks on a full pipe). Closes the channels. A worker holding groups, or asked to stop at once, is
+        killed without being asked: the dispatcher may be blocked piping it a chunk that fills the pipe, while the
+        worker, blocked on its own full result pipe, reads nothing; the exit request would wait behind that chunk."""
+        if timeout_s <= 0 or self.outstanding:
+            self.kill()
+            return
         with contextlib.suppress(Exception):
             self.tasks.send(None)
         deadline = time.monotonic() + timeout_s
