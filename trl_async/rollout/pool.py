@@ -484,7 +484,8 @@ class RolloutPool:
         """Where finished groups are in scoring (a hung reward function shows here, not as a worker fault)."""
         started = list(self._scoring.values())
         longest = f", the longest for {time.monotonic() - min(started):.0f}s" if started else ""
-        return f"{len(started)} group(s) inside reward functions{longest}; {self._to_score.qsize()} waiting to be scored"
+        waiting = self._to_score.qsize()
+        return f"{len(started)} group(s) inside reward functions{longest}; {waiting} waiting to be scored"
 
     def _filter(self, group: RolloutGroup) -> None:
         """Dynamic sampling: ``group`` has no signal. Its admission slot goes to a new prompt; its own prompt is done
