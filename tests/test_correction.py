@@ -96,7 +96,7 @@ def test_helpers_are_empty_safe():
     assert effective_sample_size(torch.tensor([])) == 1.0
 
 
-@pytest.mark.parametrize("mode", ["tis", "mask", "decoupled", "seq_tis", "seq_mask", "none"])
+@pytest.mark.parametrize("mode", ["tis", "mask", "decoupled", "none"])
 def test_a_missing_behaviour_logprob_gets_ratio_one_and_is_counted(mode):
     """A NaN mu (a null log-prob from a vLLM server) cannot be corrected: like GRPOTrainer, its ratio is 1 and the
     other tokens keep theirs; the count is reported."""
@@ -108,3 +108,20 @@ def test_a_missing_behaviour_logprob_gets_ratio_one_and_is_counted(mode):
     torch.testing.assert_close(out.weights_BT, reference.weights_BT)
     assert out.stats["behaviour_nan"] == 1 and reference.stats["behaviour_nan"] == 0
     assert all(math.isfinite(v) for v in out.stats.values())
+
+
+@pytest.mark.parametrize("mode", ["seq_tis", "seq_mask"])
+def test_a_missing_behaviour_logprob_leaves_the_sequence_ratio_to_the_other_tokens(mode):
+    """The neutral treatment of an uncorrectable token: GRPOTrainer's sequence ratio is a product, where its factor 1
+    changes nothing; in our geometric mean it must leave the count too, or it pulls the sequence's ratio towards 1.
+    Row 0 = [2, (no mu), 1]: sqrt(2 * 1), not (2 * 1 * 1)^(1/3); row 1 = [4, 0.25]: 1. The k3 KL estimate is likewise
+    a mean over the tokens that have a mu: (2 - 1 - ln 2 + 0 + (4 - 1 - ln 4) + (0.25 - 1 - ln 0.25)) / 4."""
+    prox, behaviour, mask = case(RHO, MASK)
+    behaviour[0, 1] = float("nan")
+    out = off_policy_correction(prox, behaviour, mask, mode=mode, cap=3.0, floor=0.4)
+    r = math.sqrt(2.0)
+    expected = torch.tensor([[r, r, r, 1.0], [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    torch.testing.assert_close(out.weights_BT, expected)
+    assert out.stats["ratio_max"] == pytest.approx(r)
+    k3 = sum(x - 1 - math.log(x) for x in (2.0, 1.0, 4.0, 0.25)) / 4
+    assert out.stats["kl_behaviour"] == pytest.approx(k3)

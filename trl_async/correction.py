@@ -18,7 +18,18 @@ per-token loss (``importance_sampling_ratio``). The modes differ only in f:
 
 Shapes: ``_BT`` = (batch, completion tokens); ``mask_BT`` marks real completion tokens. Padding gets weight 1 (the loss
 masks it anyway), all-masked rows get a sequence ratio of 1, and no function returns NaN for an empty mask. A token
-whose mu is NaN (a backend returned no log-prob) gets rho = 1, as GRPOTrainer does, and is counted (``behaviour_nan``).
+whose mu is NaN (a backend returned no log-prob) gets rho = 1, as GRPOTrainer does, and is counted (``behaviour_nan``);
+it is left out of a sequence's geometric mean and of ``kl_behaviour``.
+
+Three things these weights are not:
+- The sequence modes' geometric mean is a length-normalised heuristic, not an unbiased IS weight: E_mu[rho_seq] is
+  not 1 for sequences of more than one token (by Jensen's inequality it is at most 1). It keeps long sequences'
+  weights from exploding (the product of T ratios does); with the default band it seldom binds.
+- mu is the distribution the worker actually sampled from, after temperature, top-k/top-p/min-p and repetition
+  penalty (as TRL's vLLM path logs it), while pi_prox is the trainer's full softmax at that temperature. With such
+  warpers set, rho differs from 1 even at staleness 0, and the ``mask`` band can drop tokens for that alone.
+- The KL penalty (``beta`` > 0) is not reweighted: it is computed on the stale samples as if on-policy, as
+  GRPOTrainer computes it on vLLM's samples.
 """
 
 from __future__ import annotations
@@ -106,10 +117,13 @@ def off_policy_correction(
     mask = mask_BT.bool()
     lr_BT = log_ratio(prox_logps_BT, behaviour_logps_BT, mask_BT)
     rho_BT = torch.exp(lr_BT)
-    kl = masked_mean(rho_BT - 1 - lr_BT, mask_BT).item()
+    # tokens with a behaviour log-prob: the means below leave the others out (their rho = 1 would pull a geometric
+    # mean towards 1, where GRPOTrainer's sequence product is unchanged by a factor 1)
+    known_BT = mask & ~torch.isnan(behaviour_logps_BT)
+    kl = masked_mean(rho_BT - 1 - lr_BT, known_BT).item()
 
     if mode in SEQUENCE_MODES:
-        rho_units = torch.exp(sequence_log_ratio(lr_BT, mask_BT))  # (B, 1)
+        rho_units = torch.exp(sequence_log_ratio(lr_BT, known_BT))  # (B, 1)
         valid_units = mask.any(-1, keepdim=True)
     else:
         rho_units, valid_units = rho_BT, mask
