@@ -125,3 +125,16 @@ def test_a_missing_behaviour_logprob_leaves_the_sequence_ratio_to_the_other_toke
     assert out.stats["ratio_max"] == pytest.approx(r)
     k3 = sum(x - 1 - math.log(x) for x in (2.0, 1.0, 4.0, 0.25)) / 4
     assert out.stats["kl_behaviour"] == pytest.approx(k3)
+
+
+def test_statistics_across_ranks_by_hand():
+    """Means of the ranks' values (GRPOTrainer gathers its metrics so), the extremes of the extremes, the total of
+    the count."""
+    from trl_async.correction import stats_across_ranks
+
+    rank0 = {"ratio_mean": 1.0, "ratio_min": 0.5, "ratio_max": 2.0, "ess": 0.9, "behaviour_nan": 1, "masked_frac": 0.0}
+    rank1 = {"ratio_mean": 2.0, "ratio_min": 0.25, "ratio_max": 1.5, "ess": 0.7, "behaviour_nan": 2, "masked_frac": 0.5}
+    expected = {"ratio_mean": 1.5, "ratio_min": 0.25, "ratio_max": 2.0, "ess": 0.8, "behaviour_nan": 3,
+                "masked_frac": 0.25}  # fmt: skip
+    assert stats_across_ranks([rank0, rank1]) == pytest.approx(expected)
+    assert stats_across_ranks([rank0]) == rank0

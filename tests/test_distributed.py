@@ -48,6 +48,10 @@ def test_two_process_training_syncs_exact_weights(tmp_path, tiny_model_dir, conf
     assert result["compared"] == result["expected"] - len(result["not_compared"]) >= 20
     assert result["verified_adoptions"] >= 2 and result["max_staleness_seen"] <= 1
     assert result["workers_alive"] == [False]
+    # the correction's statistics are global, as GRPOTrainer's metrics are: each rank's own batch differs, and both
+    # ranks log the same gathered values
+    is_logs = [json.loads((tmp_path / f"result.json.is.rank{r}").read_text()) for r in (0, 1)]
+    assert len(is_logs[0]) == 3 and "is/kl_behaviour" in is_logs[0][0] and is_logs[0] == is_logs[1]
     if "--peft" in extra:  # adapter-only sync: each version carries the q/v adapters of the 2 layers and their scales
         assert result["adapter_only"]
         assert len(result["per_version"]) == 2 * 2 * 2 + 1 and all(

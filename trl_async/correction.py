@@ -152,3 +152,17 @@ def off_policy_correction(
         "behaviour_nan": int((torch.isnan(behaviour_logps_BT) & mask).sum()),  # tokens given ratio 1 for want of mu
     }
     return Correction(weights_BT=weights_BT, stats=stats)
+
+
+# how each statistic combines across ranks: the mean of the ranks' values (as GRPOTrainer gathers its per-rank
+# metrics), the extremes of ratio_min/max, the total of behaviour_nan
+_ACROSS_RANKS = {"ratio_min": min, "ratio_max": max, "behaviour_nan": sum}
+
+
+def stats_across_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """One rank's view of a step's statistics made global: every rank logs the same values."""
+    return {
+        name: _ACROSS_RANKS.get(name, lambda v: sum(v) / len(v))([stats[name] for stats in per_rank])
+        for name in per_rank[0]
+    }
+

@@ -27,7 +27,7 @@ from trl.models.utils import disable_gradient_checkpointing
 
 from .config import async_fields_of
 from .cores import PinnedTrainer
-from .correction import off_policy_correction
+from .correction import off_policy_correction, stats_across_ranks
 from .engines.transformers.worker_process import prestart_worker_server
 from .pool_setup import start_pool
 from .progress import AsyncProgressCallback, batch_metrics
@@ -472,7 +472,13 @@ class AsyncGRPOTrainer(GRPOTrainer):
             prox, behaviour, mask, a.off_policy_correction, a.resolved_importance_sampling_cap,
             a.importance_sampling_floor,
         )  # fmt: skip
-        for name, value in correction.stats.items():
+        stats = correction.stats
+        if self.accelerator.num_processes > 1:  # every rank computes its weights here, in the same order
+            names = list(stats)
+            local = torch.tensor([float(stats[n]) for n in names], dtype=torch.float64, device=self.accelerator.device)
+            rows = self.accelerator.gather(local).view(self.accelerator.num_processes, -1).tolist()
+            stats = stats_across_ranks([dict(zip(names, row, strict=True)) for row in rows])
+        for name, value in stats.items():
             self._metrics["train"][f"is/{name}"].append(value)
         return correction.weights_BT
 

@@ -87,6 +87,10 @@ def main():
                 json.dump({"error": str(exc)}, f)
         raise
 
+    # every rank's is/ metrics (gathered across ranks: the test checks that the ranks logged the same values)
+    is_logs = [{k: v for k, v in h.items() if k.startswith("is/")} for h in trainer.state.log_history]
+    with open(f"{cli.out}.is.rank{trainer.accelerator.process_index}", "w") as f:
+        json.dump([h for h in is_logs if h], f)
     full = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # collective: every rank calls it
     if trainer.accelerator.is_main_process:
         if cli.peft:  # independent reference: peft's own merge on a CPU copy holding the consolidated weights
