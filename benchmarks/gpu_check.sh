@@ -50,6 +50,9 @@ server_up() {
 }
 trap 'if [ -n "$SERVER" ]; then kill -KILL -- -$SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true; fi' EXIT
 CONFIGS="${GPU_CHECK_CONFIGS:-zero3 zero3_offload zero3_reattach}"
+for ZERO in $CONFIGS; do  # a misspelt name would otherwise stop the check after a server start (~1 min)
+    case $ZERO in zero3|zero3_offload|zero3_reattach) ;; *) echo "gpu_check: unknown configuration $ZERO" >&2; exit 2 ;; esac
+done
 for ZERO in $CONFIGS; do
     case $ZERO in
         zero3|zero3_reattach) DS_JSON=recipes/accelerate/zero3.json ;;

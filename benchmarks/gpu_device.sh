@@ -11,7 +11,7 @@ while [ $# -gt 0 ]; do
     case $1 in
         install)
             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site ".gpu/$2"/*.whl \
-                2>&1 | grep -v "WARNING: Target directory" | tail -3
+                > /tmp/pip_$2.log 2>&1 || { tail -5 /tmp/pip_$2.log; exit 1; }
             shift 2 ;;
         run)
             # the flash-attention kernels were left out (their size): let vLLM import without them
@@ -22,12 +22,14 @@ print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 1
             export GPU_CHECK_CONFIGS="${GPU_CHECK_CONFIGS:-zero3 zero3_reattach zero3_offload}"
             GPU_CHECK_SERVER_ARGS="--attention-backend TRITON_ATTN" timeout "${GPU_CHECK_TIMEOUT:-480}" \
                 bash benchmarks/gpu_check.sh $G > $G/gpu_check.log 2>&1
-            echo "gpu_check exit status $?"
+            status=$?
+            echo "gpu_check exit status $status"
             for f in $G/gpu_check*.json; do echo "== $f"; cat "$f"; echo; done > "$OUT/verdicts.txt" 2>&1
             cp $G/gpu_check.json "$OUT/" 2>/dev/null
             (cd $G && tar czf "$OUT/logs.tgz" ./*.log)
             grep -v "Writing model\|it/s\]" $G/gpu_check.log | tail -60
             cat "$OUT/verdicts.txt"
+            [ "$status" -eq 0 ] || exit "$status"
             shift ;;
         *) echo "unknown step $1" >&2; exit 2 ;;
     esac

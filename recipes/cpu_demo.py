@@ -115,8 +115,8 @@ def main(demo: DemoArguments, args: AsyncGRPOConfig) -> dict:
 DEMO_DEFAULTS = dict(
     output_dir="outputs/cpu_demo",
     # 12 steps: the answer form is learned (held-out greedy completions stating it: 0.42 -> 1.00) and the demo stays
-    # under 10 minutes on a 2-core CPU without native bf16 (~28 s per float32 step there); held-out accuracy at step
-    # 12 is within run-to-run noise (README)
+    # under 10 minutes on a 2-core CPU without native bf16 (28-38 s per float32 step there; 8.9 min in all on a
+    # 2-core AVX2-only EPYC, 2026-12-04); held-out accuracy at step 12 is within run-to-run noise (README)
     max_steps=12,
     **TRAINING_SETTINGS,
     # a constant learning rate: with TRL's linear decay to 0 over 12 steps, the answer format is learned later, so

@@ -136,5 +136,11 @@ def test_statistics_across_ranks_by_hand():
     rank1 = {"ratio_mean": 2.0, "ratio_min": 0.25, "ratio_max": 1.5, "ess": 0.7, "behaviour_nan": 2, "masked_frac": 0.5}
     expected = {"ratio_mean": 1.5, "ratio_min": 0.25, "ratio_max": 2.0, "ess": 0.8, "behaviour_nan": 3,
                 "masked_frac": 0.25}  # fmt: skip
-    assert stats_across_ranks([rank0, rank1]) == pytest.approx(expected)
-    assert stats_across_ranks([rank0]) == rank0
+    assert stats_across_ranks([rank0, rank1], [3, 5]) == pytest.approx(expected)
+    assert stats_across_ranks([rank0], [3]) == rank0
+    # a rank with nothing to weigh holds only the defaults (ratios 1, ess 1): left out, unless all ranks are empty
+    empty = {"ratio_mean": 1.0, "ratio_min": 1.0, "ratio_max": 1.0, "ess": 1.0, "behaviour_nan": 0, "masked_frac": 0.0}
+    assert stats_across_ranks([rank1, empty], [5, 0]) == pytest.approx(rank1)
+    assert stats_across_ranks([empty, empty], [0, 0]) == empty
+    assert off_policy_correction(*case(RHO, MASK), mode="tis", cap=2.0).units == 5
+    assert off_policy_correction(*case(RHO, [[0] * 4, [0] * 4]), mode="seq_tis", cap=2.0).units == 0

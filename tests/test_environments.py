@@ -5,6 +5,7 @@ same tiny tool-calling model (tests/tool_model.py)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from datasets import Dataset
@@ -194,3 +195,70 @@ def test_a_reset_that_always_raises_stops_training_with_its_error(tmp_path, tool
     with pytest.raises(RuntimeError, match="reset raised for .* groups in a row(.|\\n)*the sandbox is down"):
         ours.train()
     assert no_rollout_children()
+
+
+class SlowMultiplier:
+    """Every call outlasts the tool timeout; records how many of its calls ever ran at once."""
+
+    instances: list = []
+    lock = threading.Lock()
+
+    def __init__(self):
+        self.inside, self.most_inside, self.entered = 0, 0, 0
+        with SlowMultiplier.lock:
+            SlowMultiplier.instances.append(self)
+
+    def reset(self, **kwargs):
+        return None
+
+    @as_multiply
+    def multiply(self, a: int, b: int) -> int:
+        with SlowMultiplier.lock:
+            self.inside, self.entered = self.inside + 1, self.entered + 1
+            self.most_inside = max(self.most_inside, self.inside)
+        time.sleep(3.0)
+        with SlowMultiplier.lock:
+            self.inside -= 1
+        return a * b
+
+
+TIMED_OUT = "{'error': 'tool multiply did not return within 0.5 s (rollout_tool_timeout_s)'}"
+
+
+@pytest.fixture(scope="module")
+def twice_calling_model_dir(tmp_path_factory) -> str:
+    """Calls multiply, and after the result (or the timeout's error) calls it again, then says "Done!"."""
+    from trl_async import tiny
+    from trl_async.rollout.episodes import ENVIRONMENT_BUSY
+
+    from .tool_model import FIRST_TURNS, multiply
+
+    first = FIRST_TURNS["What is 3 times 4?"]
+    episodes = {"What is 3 times 4?": [(first, [TIMED_OUT, "12"]), (first, [str({"error": ENVIRONMENT_BUSY}), "12"]),
+                                       ("Done!", [])]}  # fmt: skip
+    return str(tiny.build_tool_model(tmp_path_factory.mktemp("twice"), episodes, [multiply]))
+
+
+def test_after_a_timed_out_call_an_environment_episode_runs_no_more_calls_on_its_instance(tmp_path, twice_calling_model_dir):  # noqa: E501
+    """The timed-out call is still running on the episode's environment instance: a second call of the episode would
+    run beside it on the same state. It is not run; the model reads why; the instance is not reused."""
+    from trl_async.rollout.episodes import ENVIRONMENT_BUSY
+
+    SlowMultiplier.instances = []
+    recorder = Recorder()
+    trainer = AsyncGRPOTrainer(
+        model=twice_calling_model_dir, reward_funcs=recorder, processing_class=tokenizer_of(twice_calling_model_dir),
+        args=async_args(tmp_path, **{**TOOL_SETTINGS, "per_device_train_batch_size": 2, "max_completion_length": 160},
+                        rollout_tool_timeout_s=0.5, max_staleness=0),
+        train_dataset=Dataset.from_list([{"prompt": conversation("What is 3 times 4?")}] * 4),
+        environment_factory=SlowMultiplier,
+    )  # fmt: skip
+    trainer.train()
+    tool_messages = [[m["content"] for m in c if m["role"] == "tool"] for _, cs in recorder.seen for c in cs]
+    assert tool_messages and all(m[0] == TIMED_OUT for m in tool_messages), tool_messages
+    second_calls = [m[1] for m in tool_messages if len(m) > 1]
+    assert second_calls and all(m == str({"error": ENVIRONMENT_BUSY}) for m in second_calls), tool_messages
+    # each instance served one episode (not reused) and ran one call, never two at once (episodes generated for a
+    # step that never came also count: at least as many as were rewarded)
+    used = [e for e in SlowMultiplier.instances if e.entered]
+    assert len(used) >= len(tool_messages) and all(e.entered == 1 and e.most_inside == 1 for e in used)

@@ -365,3 +365,49 @@ def test_a_worker_reporting_a_version_the_moment_it_is_visible_is_verified_not_a
         assert visible_when_recorded == [0]  # recorded while the workers could still see only version 0
     finally:
         pool.close()
+
+
+def _never_reads(seconds):
+    time.sleep(seconds)
+
+
+def test_stopping_a_worker_whose_task_pipe_is_full_kills_it_instead_of_blocking_on_the_pipe():
+    """The dispatcher registers a chunk, then pipes it; a chunk larger than the pipe's buffer blocks until the worker
+    reads. A worker that never reads again (itself blocked sending a large result nobody drains) must still be
+    stopped: stop() may not first pipe its own exit request, which would block behind the chunk forever."""
+    import multiprocessing
+
+    from trl_async.engines.transformers.worker_process import WorkerProcess
+    from trl_async.records import RolloutTask
+
+    ctx = multiprocessing.get_context("fork")
+    task_recv, task_send = ctx.Pipe(duplex=False)
+    result_recv, result_send = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=_never_reads, args=(60,), daemon=True)
+    process.start()
+    task_recv.close()
+    result_send.close()
+    task = RolloutTask(group_id=0, prompt_index=0, prompt_ids=(1,) * 300_000, admitted_at_version=0)
+    worker = WorkerProcess(None, process, task_send, result_recv, ctx.Value("d", time.time()))
+    worker.outstanding[(0, 0)] = task
+
+    def transmit():
+        try:
+            worker.transmit([task])
+        except OSError:  # the worker was killed mid-send
+            pass
+
+    dispatcher = threading.Thread(target=transmit, daemon=True)
+    dispatcher.start()
+    dispatcher.join(1.0)
+    assert dispatcher.is_alive(), "the chunk fitted in the pipe: the test needs one that blocks"
+    stopping = threading.Thread(target=worker.stop, args=(0.0,), daemon=True)
+    stopping.start()
+    stopping.join(5.0)
+    alive = stopping.is_alive()
+    if alive:  # free the blocked threads before failing
+        process.kill()
+    assert not alive, "stop() blocked on the full task pipe"
+    assert not process.is_alive()
+    dispatcher.join(5.0)
+    assert not dispatcher.is_alive(), "the blocked transmit did not end when the worker was killed"

@@ -23,8 +23,9 @@ it is left out of a sequence's geometric mean and of ``kl_behaviour``.
 
 Three things these weights are not:
 - The sequence modes' geometric mean is a length-normalised heuristic, not an unbiased IS weight: E_mu[rho_seq] is
-  not 1 for sequences of more than one token (by Jensen's inequality it is at most 1). It keeps long sequences'
-  weights from exploding (the product of T ratios does); with the default band it seldom binds.
+  not 1 in general (for a fixed length T > 1 it is at most 1, by Jensen's inequality; where the length depends on
+  the tokens, as at an EOS, it can be either side of 1). It keeps long sequences' weights from exploding (the product
+  of T ratios does); with the default band it seldom binds.
 - mu is the distribution the worker actually sampled from, after temperature, top-k/top-p/min-p and repetition
   penalty (as TRL's vLLM path logs it), while pi_prox is the trainer's full softmax at that temperature. With such
   warpers set, rho differs from 1 even at staleness 0, and the ``mask`` band can drop tokens for that alone.
@@ -85,6 +86,7 @@ class Correction:
 
     weights_BT: torch.Tensor
     stats: dict[str, float]
+    units: int = 0  # the tokens (or sequences) the statistics are over; 0: they are the empty-batch defaults
 
 
 def effective_sample_size(weights: torch.Tensor) -> float:
@@ -151,7 +153,7 @@ def off_policy_correction(
         "kl_behaviour": kl,
         "behaviour_nan": int((torch.isnan(behaviour_logps_BT) & mask).sum()),  # tokens given ratio 1 for want of mu
     }
-    return Correction(weights_BT=weights_BT, stats=stats)
+    return Correction(weights_BT=weights_BT, stats=stats, units=valid_rho.numel())
 
 
 # how each statistic combines across ranks: the mean of the ranks' values (as GRPOTrainer gathers its per-rank
@@ -159,10 +161,11 @@ def off_policy_correction(
 _ACROSS_RANKS = {"ratio_min": min, "ratio_max": max, "behaviour_nan": sum}
 
 
-def stats_across_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """One rank's view of a step's statistics made global: every rank logs the same values."""
+def stats_across_ranks(per_rank: list[dict[str, float]], units: list[int]) -> dict[str, float]:
+    """One rank's view of a step's statistics made global: every rank logs the same values. A rank with no units
+    (``units[r] == 0``: every row masked, e.g. all truncated) holds only the empty-batch defaults and is left out,
+    unless every rank is empty."""
+    kept = [stats for stats, n in zip(per_rank, units, strict=True) if n > 0] or per_rank
     return {
-        name: _ACROSS_RANKS.get(name, lambda v: sum(v) / len(v))([stats[name] for stats in per_rank])
-        for name in per_rank[0]
+        name: _ACROSS_RANKS.get(name, lambda v: sum(v) / len(v))([stats[name] for stats in kept]) for name in kept[0]
     }
-

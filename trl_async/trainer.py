@@ -475,9 +475,11 @@ class AsyncGRPOTrainer(GRPOTrainer):
         stats = correction.stats
         if self.accelerator.num_processes > 1:  # every rank computes its weights here, in the same order
             names = list(stats)
-            local = torch.tensor([float(stats[n]) for n in names], dtype=torch.float64, device=self.accelerator.device)
+            local = [float(correction.units)] + [float(stats[n]) for n in names]
+            local = torch.tensor(local, dtype=torch.float64, device=self.accelerator.device)
             rows = self.accelerator.gather(local).view(self.accelerator.num_processes, -1).tolist()
-            stats = stats_across_ranks([dict(zip(names, row, strict=True)) for row in rows])
+            per_rank = [dict(zip(names, row[1:], strict=True)) for row in rows]
+            stats = stats_across_ranks(per_rank, [int(row[0]) for row in rows])
         for name, value in stats.items():
             self._metrics["train"][f"is/{name}"].append(value)
         return correction.weights_BT

@@ -20,7 +20,10 @@ With ``environment_factory`` each episode gets its own environment instance from
 factories, reused across episodes as GRPOTrainer reuses them): ``reset(**row)`` starts the episode and its return
 value is appended to the last prompt message, the instance's public methods are the episode's tools, and the
 instance stays with the group until its rewards are computed (environment-owned rewards read its state), then goes
-back to the pool. A ``reset`` that raises abandons the group (counted, logged); training goes on.
+back to the pool. A ``reset`` that raises abandons the group (counted, logged); training goes on. Once a call of an
+environment episode times out (``rollout_tool_timeout_s``) it may still be running on the instance: the episode's
+later calls are not run (each a failed call that says why), its rewards read the instance as it is then, and the
+instance is dropped instead of going back to the pool.
 """
 
 from __future__ import annotations
@@ -39,7 +42,10 @@ from trl import GRPOTrainer
 from trl.chat_template_utils import parse_response
 
 from ..records import RolloutGroup, RolloutTask
-from .tool_calls import ToolResults, ToolRunner, split_tools
+from .tool_calls import ToolResults, ToolRunner, calls_not_run, split_tools
+
+ENVIRONMENT_BUSY = ("not run: an earlier call of this episode timed out (rollout_tool_timeout_s) and may still be running "
+                    "on its environment")  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -343,7 +349,11 @@ class EpisodeRunner:
             parsed = self._parse(list(ids), episode, tools) if (ids or first) else {}
             episode.add_turn(ids, logprobs, versions, parsed, turn.worker_id)
             calls = episode.pending_calls(parsed, self.max_rounds)
-            if calls:
+            if calls and episode.timed_out and group.instances:
+                # an earlier call of this episode timed out and may still be running on the episode's environment:
+                # nothing more runs on it (calls would overlap it); the model reads why, as for any failed call
+                self._events.put(("tools", turn.group_id, row, calls_not_run(calls, ENVIRONMENT_BUSY)))
+            elif calls:
                 self.tool_runner.submit(calls, episode.tool_dicts or self.tool_dicts,
                                         lambda result, g=turn.group_id, r=row: self._events.put(("tools", g, r, result)))  # fmt: skip
             else:

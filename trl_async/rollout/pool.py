@@ -242,11 +242,14 @@ class RolloutPool:
         self._cv.notify_all()
 
     def close(self, timeout_s: float = 0.5) -> None:
-        """Stop threads and workers; every worker process is joined. A worker still inside a generate call is killed
-        after ``timeout_s``: nothing it would still send is used, and waiting for the call (2-3 s at the end of every
-        ``train`` on the real model) bought nothing. An idle worker exits at once."""
+        """Stop threads and workers; every worker process is joined. A worker holding groups (inside a generate call,
+        or about to be) is killed at once: nothing it would still send is used, and waiting for the call (2-3 s at the
+        end of every ``train`` on the real model) bought nothing. An idle worker is asked to exit, and killed after
+        ``timeout_s``. An error no ``take`` raised (it came after the last one) is logged; one that closing itself
+        causes (a pipe closed under a send) is not."""
         with self._cv:
             self._stop = True
+            unreported = None if self._error_raised else self._error
             self._cv.notify_all()
         for t in self._threads:  # the collector stops reading; workers blocked on a full pipe are killed below
             t.join(5)
@@ -254,8 +257,8 @@ class RolloutPool:
             self._episodes.close()
         self.lanes.stop(timeout_s)
         self.backend.close()
-        if self._error is not None and not self._error_raised:
-            logger.warning("rollouts failed after the last batch was taken (nothing trained on it): %r", self._error)
+        if unreported is not None:
+            logger.warning("rollouts failed after the last batch was taken (nothing trained on it): %r", unreported)
 
     @property
     def processes(self) -> list:
@@ -384,8 +387,8 @@ class RolloutPool:
     def _transmit(worker, chunk: list[RolloutTask]) -> None:
         try:  # registered under the lock, piped outside it (a chunk of long contexts may wait for the worker)
             worker.transmit(chunk)
-        except OSError:  # the worker is gone; the monitor regenerates what it held
-            pass
+        except (OSError, TypeError, ValueError):  # the worker is gone (a closed connection raises the latter two);
+            pass  # the monitor regenerates what it held
 
     def _submit_turn(self, task: RolloutTask) -> None:
         """The ``EpisodeRunner`` asks for the next turn of an episode."""
@@ -458,11 +461,13 @@ class RolloutPool:
                 row = self._rows[group.group_id]
             started = time.time()
             environments = self._episodes.instances(group.group_id) if self._episodes is not None else None
-            self._scoring[group.group_id] = time.monotonic()
+            with self._cv:
+                self._scoring[group.group_id] = time.monotonic()
             try:
                 scored = self._score_group(group, row, environments)
             finally:
-                del self._scoring[group.group_id]
+                with self._cv:
+                    del self._scoring[group.group_id]
                 if environments is not None:
                     self._episodes.release(group.group_id)
             self.activity.append(("score", group.worker_id, started, time.time()))

@@ -125,6 +125,17 @@ def run_tool_calls(
     return ToolResults(messages, calls=len(calls), failures=sum(failed), timeouts=timeouts, records=records)
 
 
+def calls_not_run(calls: Sequence[dict], why: str) -> ToolResults:
+    """Failed results for a turn's calls that were not run (``why`` is what the model reads for each)."""
+    names = [call.get("function", {}).get("name", "unknown") if isinstance(call.get("function"), dict)
+             else call.get("name", "unknown") for call in calls]  # fmt: skip
+    content = str({"error": why})
+    return ToolResults(
+        [{"role": "tool", "name": name, "content": content} for name in names], calls=len(calls), failures=len(calls),
+        records=[{"name": name, "arguments": None, "result": content[:RECORD_CHARS], "failed": True} for name in names],
+    )  # fmt: skip
+
+
 def _run_until_stopped(loop: asyncio.AbstractEventLoop) -> None:
     loop.run_forever()
     loop.close()
