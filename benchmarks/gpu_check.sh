@@ -11,6 +11,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-${OUT:-/tmp/gpu_check}}"
 mkdir -p "$OUT"
+CONFIGS="${GPU_CHECK_CONFIGS:-zero3 zero3_offload zero3_reattach}"
+[ -n "${CONFIGS// /}" ] || { echo "gpu_check: GPU_CHECK_CONFIGS names no configuration" >&2; exit 2; }
+for ZERO in $CONFIGS; do  # checked first: a misspelt name would otherwise stop the check after a server start
+    case $ZERO in zero3|zero3_offload|zero3_reattach) ;; *) echo "gpu_check: unknown configuration $ZERO" >&2; exit 2 ;; esac
+done
 python -c "import torch, vllm; assert torch.cuda.is_available(), 'no CUDA device'" || {
     echo "gpu_check: needs a CUDA torch and vllm in this environment" >&2; exit 2; }
 MODEL="$OUT/tiny-qwen2"
@@ -49,10 +54,6 @@ server_up() {
     echo "server for $zero healthy after $((SECONDS - ${2:-0})) s"
 }
 trap 'if [ -n "$SERVER" ]; then kill -KILL -- -$SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true; fi' EXIT
-CONFIGS="${GPU_CHECK_CONFIGS:-zero3 zero3_offload zero3_reattach}"
-for ZERO in $CONFIGS; do  # a misspelt name would otherwise stop the check after a server start (~1 min)
-    case $ZERO in zero3|zero3_offload|zero3_reattach) ;; *) echo "gpu_check: unknown configuration $ZERO" >&2; exit 2 ;; esac
-done
 for ZERO in $CONFIGS; do
     case $ZERO in
         zero3|zero3_reattach) DS_JSON=recipes/accelerate/zero3.json ;;

@@ -19,6 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .gpu/a .gpu/b .gpu/c
 EXCLUDE=$(git rev-parse --git-path info/exclude)
+mkdir -p "$(dirname "$EXCLUDE")"
 grep -qx '/.gpu/' "$EXCLUDE" 2>/dev/null || echo '/.gpu/' >> "$EXCLUDE"
 WORK=$(mktemp -d)
 PLATFORMS=(--python-version 3.12 --only-binary=:all: --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64

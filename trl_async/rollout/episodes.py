@@ -355,7 +355,8 @@ class EpisodeRunner:
                 self._events.put(("tools", turn.group_id, row, calls_not_run(calls, ENVIRONMENT_BUSY)))
             elif calls:
                 self.tool_runner.submit(calls, episode.tool_dicts or self.tool_dicts,
-                                        lambda result, g=turn.group_id, r=row: self._events.put(("tools", g, r, result)))  # fmt: skip
+                                        lambda result, g=turn.group_id, r=row: self._events.put(("tools", g, r, result)),
+                                        after_timeout=ENVIRONMENT_BUSY if group.instances else None)  # fmt: skip
             else:
                 self._end(turn.group_id, episode)
 

@@ -387,8 +387,11 @@ class RolloutPool:
     def _transmit(worker, chunk: list[RolloutTask]) -> None:
         try:  # registered under the lock, piped outside it (a chunk of long contexts may wait for the worker)
             worker.transmit(chunk)
-        except (OSError, TypeError, ValueError):  # the worker is gone (a closed connection raises the latter two);
-            pass  # the monitor regenerates what it held
+        except OSError:  # the worker is gone; the monitor regenerates what it held
+            pass
+        except TypeError:  # also what a send raises when the connection is closed under it (the worker was killed)
+            if not getattr(getattr(worker, "tasks", None), "closed", False):
+                raise
 
     def _submit_turn(self, task: RolloutTask) -> None:
         """The ``EpisodeRunner`` asks for the next turn of an episode."""

@@ -70,27 +70,40 @@ async def _await_all(coroutines: list, timeout_s: float | None) -> list:
     return await asyncio.gather(*(asyncio.wait_for(c, timeout_s) for c in coroutines), return_exceptions=True)
 
 
+def _call_name(call: dict) -> str:
+    return call["function"]["name"] if call.get("type") == "function" else call.get("name", "unknown")
+
+
 def run_tool_calls(
     calls: Sequence[dict],
     sync_tools: dict[str, Callable],
     async_tools: dict[str, Callable],
     loop: asyncio.AbstractEventLoop | None,
     timeout_s: float | None,
+    after_timeout: str | None = None,
+    refused: str | None = None,
 ) -> ToolResults:
-    """Run one turn's parsed tool calls (``parse_response``'s ``tool_calls``) and build the tool messages."""
+    """Run one turn's parsed tool calls (``parse_response``'s ``tool_calls``) and build the tool messages.
+    ``after_timeout``: once a sync call times out (it may still be running), the turn's calls not yet run are not run
+    (async calls not yet awaited included); each fails with this message (an environment's methods share its state).
+    ``refused``: no call runs; each fails with this message."""
     results: list[Any] = [None] * len(calls)
     names: list[str] = []
     failed: list[bool] = [False] * len(calls)
     timeouts = 0
     pending: list[tuple[int, Any]] = []  # (call index, coroutine)
     for i, call in enumerate(calls):
+        names.append(_call_name(call))
+        if refused is None and after_timeout is not None and timeouts:
+            refused = after_timeout
+        if refused is not None:
+            results[i], failed[i] = {"error": refused}, True
+            continue
         if call.get("type") != "function":
-            names.append(call.get("name", "unknown"))
             results[i], failed[i] = {"error": f"Unsupported tool call type: {call.get('type')}"}, True
             continue
         function = call["function"]
         name, arguments = function["name"], function.get("arguments") or {}
-        names.append(name)
         try:
             if name in sync_tools:
                 results[i] = _call_with_timeout(sync_tools[name], arguments, timeout_s)
@@ -101,6 +114,11 @@ def run_tool_calls(
         except Exception as exc:  # noqa: BLE001 - reported to the model, as GRPOTrainer does
             timeouts += isinstance(exc, TimeoutError)
             results[i], failed[i] = {"error": str(exc)}, True
+    if pending and refused is not None:  # created after a timeout, never started: nothing ran on the state
+        for i, coroutine in pending:
+            coroutine.close()
+            results[i], failed[i] = {"error": refused}, True
+        pending = []
     if pending:
         if loop is None:
             raise RuntimeError("an async tool needs the runner's event loop")
@@ -127,13 +145,7 @@ def run_tool_calls(
 
 def calls_not_run(calls: Sequence[dict], why: str) -> ToolResults:
     """Failed results for a turn's calls that were not run (``why`` is what the model reads for each)."""
-    names = [call.get("function", {}).get("name", "unknown") if isinstance(call.get("function"), dict)
-             else call.get("name", "unknown") for call in calls]  # fmt: skip
-    content = str({"error": why})
-    return ToolResults(
-        [{"role": "tool", "name": name, "content": content} for name in names], calls=len(calls), failures=len(calls),
-        records=[{"name": name, "arguments": None, "result": content[:RECORD_CHARS], "failed": True} for name in names],
-    )  # fmt: skip
+    return run_tool_calls(calls, {}, {}, None, None, refused=why)
 
 
 def _run_until_stopped(loop: asyncio.AbstractEventLoop) -> None:
@@ -160,17 +172,18 @@ class ToolRunner:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, calls: Sequence[dict], tools: tuple[dict, dict], done: Callable[[ToolResults], None]) -> None:
-        self._jobs.put((calls, tools, done))
+    def submit(self, calls: Sequence[dict], tools: tuple[dict, dict], done: Callable[[ToolResults], None],
+               after_timeout: str | None = None) -> None:  # fmt: skip
+        self._jobs.put((calls, tools, done, after_timeout))
 
     def _serve(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            calls, (sync_tools, async_tools), done = job
+            calls, (sync_tools, async_tools), done, after_timeout = job
             try:
-                result = run_tool_calls(calls, sync_tools, async_tools, self.loop, self.timeout_s)
+                result = run_tool_calls(calls, sync_tools, async_tools, self.loop, self.timeout_s, after_timeout)
             except BaseException as exc:  # noqa: BLE001 - our own fault, not a tool's: the episode reports it
                 result = exc
             done(result)
