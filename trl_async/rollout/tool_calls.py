@@ -114,7 +114,7 @@ def run_tool_calls(
         except Exception as exc:  # noqa: BLE001 - reported to the model, as GRPOTrainer does
             timeouts += isinstance(exc, TimeoutError)
             results[i], failed[i] = {"error": str(exc)}, True
-    if pending and refused is not None:  # created after a timeout, never started: nothing ran on the state
+    if pending and refused is not None:  # coroutines created, never started: nothing of them ran on the state
         for i, coroutine in pending:
             coroutine.close()
             results[i], failed[i] = {"error": refused}, True
