@@ -168,14 +168,22 @@ def test_scoring_threads_score_groups_concurrently(threads):
         pool.close()
 
 
+def hanging_score(release: threading.Event):
+    """A reward function that hangs until ``release`` is set (at most 60 s)."""
+
+    def score(group, row, environments=None):
+        release.wait(60)
+        return ScoredGroup(group, rewards=torch.zeros(G, 1))
+
+    return score
+
+
 def test_a_stuck_reward_does_not_stop_the_worker_health_checks():
     """Scoring runs off the collector thread: a worker killed while a reward function hangs is still noticed and
     restarted, not reported later as a rollout timeout."""
     release = threading.Event()
 
-    def score(group, row, environments=None):
-        release.wait(60)
-        return ScoredGroup(group, rewards=torch.zeros(G, 1))
+    score = hanging_score(release)
 
     pool, _ = make_pool(max_staleness=0, score=score, max_restarts=1)
     try:
@@ -192,9 +200,7 @@ def test_a_hung_reward_function_is_named_in_the_timeout_not_only_the_workers():
     scoring thread. The trainer's timeout must say so, not only list healthy workers."""
     release = threading.Event()
 
-    def score(group, row, environments=None):
-        release.wait(60)
-        return ScoredGroup(group, rewards=torch.zeros(G, 1))
+    score = hanging_score(release)
 
     pool, _ = make_pool(max_staleness=0, score=score, timeout_s=2)
     try:
