@@ -1,104 +1,119 @@
 #!/usr/bin/env bash
-# GPU check of the vLLM backend, a few minutes on one GPU: a CUDA vLLM server (vLLM's NCCL weight-transfer engine)
-# and a 1-process DeepSpeed ZeRO-3 trainer on the same GPU (NCCL refuses two ranks on one device, so ZeRO-3 runs
-# with one rank: the gather code path, not the cross-rank traffic, which tests/test_distributed.py covers on CPU).
-# Needs, in the current Python environment: trl_async (pip install -e .), a CUDA build of torch and `vllm`.
-# Usage: bash benchmarks/gpu_check.sh [OUT_DIR]   -> OUT_DIR/gpu_check.json (one verdict per ZeRO-3 configuration),
-# exit status 0 when every check passed. GPU_CHECK_CONFIGS (default "zero3 zero3_offload zero3_reattach") chooses
-# which configurations run, in that order (each verdict file is written as soon as its run ends);
-# GPU_CHECK_SERVER_ARGS adds arguments to every vLLM server (e.g. "--attention-backend TRITON_ATTN").
+# GPU check of the vLLM backend, a few minutes on one GPU (benchmarks/gpu_check.py has each mode's verdict):
+#   trl_serve       a server started by TRL's own `trl vllm-serve` (NCCL engine), a 1-process DeepSpeed ZeRO-3 trainer
+#                   configured with GRPOTrainer's fields (use_vllm=True, vllm_mode='server', vllm_server_base_url)
+#   zero3_reattach  the same server: killed after step 2, restarted on its port, re-attached over a new NCCL group
+#   zero3_offload   ZeRO-3 with `offload_param: cpu` against the restarted server (mixed-device shards)
+#   colocate        one process with vllm_mode='colocate': the trainer starts, uses and stops its own server
+# Servers start once and are reused (a start costs about a minute): a new trainer opens a new NCCL group with the
+# server it finds. ZeRO-3 runs with one rank (NCCL refuses two ranks on one device): the gather code path, not the
+# cross-rank traffic, which tests/test_distributed.py covers on CPU.
+# Needs, in the current Python environment: trl_async, a CUDA build of torch, TRL, DeepSpeed and `vllm`.
+# Usage: bash benchmarks/gpu_check.sh [OUT_DIR]   -> OUT_DIR/gpu_check.json (every verdict), exit status 0 when every
+# check passed. GPU_CHECK_CONFIGS (default "trl_serve zero3_reattach zero3_offload colocate") chooses which run, in
+# that order (each verdict file is written as soon as its run ends); GPU_CHECK_SERVER_ARGS adds arguments to every
+# vLLM server (e.g. "--attention-backend TRITON_ATTN").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-${OUT:-/tmp/gpu_check}}"
 mkdir -p "$OUT"
-CONFIGS="${GPU_CHECK_CONFIGS:-zero3 zero3_offload zero3_reattach}"
+CONFIGS="${GPU_CHECK_CONFIGS:-trl_serve zero3_reattach zero3_offload colocate}"
 [ -n "${CONFIGS// /}" ] || { echo "gpu_check: GPU_CHECK_CONFIGS names no configuration" >&2; exit 2; }
-for ZERO in $CONFIGS; do  # checked first: a misspelt name would otherwise stop the check after a server start
-    case $ZERO in zero3|zero3_offload|zero3_reattach) ;; *) echo "gpu_check: unknown configuration $ZERO" >&2; exit 2 ;; esac
+for C in $CONFIGS; do  # checked first: a misspelt name would otherwise stop the check after a server start
+    case $C in trl_serve|zero3_reattach|zero3_offload|colocate) ;; *) echo "gpu_check: unknown configuration $C" >&2; exit 2 ;; esac
 done
-python -c "import torch, vllm; assert torch.cuda.is_available(), 'no CUDA device'" || {
-    echo "gpu_check: needs a CUDA torch and vllm in this environment" >&2; exit 2; }
+python -c "import torch, vllm, trl; assert torch.cuda.is_available(), 'no CUDA device'" || {
+    echo "gpu_check: needs a CUDA torch, trl and vllm in this environment" >&2; exit 2; }
+export VLLM_USE_FLASHINFER_SAMPLER=0  # vLLM's own sampler: flashinfer's would be compiled at every server start
 MODEL="$OUT/tiny-qwen2"
 python -c "from trl_async.tiny import save_tiny_model; save_tiny_model('$MODEL', hidden_size=256, num_heads=4)"
-# Two trainer configurations, each against a fresh server (a server's NCCL group belongs to one trainer):
-# - zero3: every shard on the GPU, pushed by the flat shard-to-rank-0 path (trl_async/sync/policy.py);
-# - zero3_offload: `offload_param: cpu` with small parameters persistent on the GPU (threshold 1000 elements: the
-#   norms stay on the GPU, the matrices' shards live on the CPU): mixed devices, which must take DeepSpeed's
-#   GatheredParameters path and still push exact weights (issue 22 item 3; on CPU the offload shards sit on the
-#   compute device, so only a GPU exercises this).
-# - zero3_reattach: every shard on the GPU; after step 2 the server is SIGKILLed and started again on its port, and
-#   the trainer must re-attach it over a new NCCL group (issue 24) and end with its greedy output equal to the
-#   trained model's (the weights that came over the new group).
 python - "$OUT" <<'PY'
 import json, sys
 base = json.load(open("recipes/accelerate/zero3_offload.json"))
+# small parameters stay on the GPU (the norms), the matrices' shards live on the CPU: mixed devices
 base["zero_optimization"]["stage3_param_persistence_threshold"] = 1000
 json.dump(base, open(f"{sys.argv[1]}/zero3_offload_gpu.json", "w"), indent=1)
 PY
 PORT=8765
+URL="http://127.0.0.1:$PORT"
+# TRL's own server command (trl vllm-serve's entry point), with our arguments passed through to `vllm serve`
+SERVE=(python -m trl.scripts.vllm_serve --model "$MODEL" --host 127.0.0.1 --port "$PORT" --gpu_memory_utilization 0.3
+       --max_model_len 256 --enforce_eager ${GPU_CHECK_SERVER_ARGS:-})
 SERVER=
-# Wait for the server's /health; a server that exits first (a missing package, a kernel it lacks) fails its
-# configuration at once, with the end of its log, instead of the trainer waiting out vllm_server_timeout.
+server_pgid() { if [ -f "$OUT/gpu_check_zero3_reattach.json.pgid" ]; then cat "$OUT/gpu_check_zero3_reattach.json.pgid"; else echo "$SERVER"; fi; }
+stop_server() {
+    local pgid; pgid=$(server_pgid)
+    [ -n "$pgid" ] && { kill -KILL -- -"$pgid" 2>/dev/null || true; }
+    [ -n "$SERVER" ] && { wait "$SERVER" 2>/dev/null || true; }
+    SERVER=; rm -f "$OUT/gpu_check_zero3_reattach.json.pgid"
+}
+trap stop_server EXIT
+fail() { python -c 'import json, sys; json.dump({"ok": False, "error": sys.argv[2]}, open(sys.argv[1], "w"))' "$1" "$2"; }
+# Wait for the server's /health; a server that exits first fails the configuration at once, with the end of its log.
 server_up() {
-    local zero=$1 deadline=$((SECONDS + 600))
-    until python -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' \
-            "http://127.0.0.1:$PORT/health" 2>/dev/null; do
-        if ! kill -0 "$SERVER" 2>/dev/null || [ "$SECONDS" -gt "$deadline" ]; then
-            tail -30 "$OUT/server_$zero.log"
-            python -c 'import json, sys; json.dump({"ok": False, "error": "the vLLM server did not start: " + sys.argv[2]},
-                       open(sys.argv[1], "w"))' "$OUT/gpu_check_$zero.json" "$(grep -E 'Error|error' "$OUT/server_$zero.log" | tail -1)"
+    local config=$1 log=$2 start=$SECONDS
+    until python -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' "$URL/health" 2>/dev/null; do
+        if ! kill -0 -- -"$(server_pgid)" 2>/dev/null || [ $((SECONDS - start)) -gt 300 ]; then
+            tail -30 "$log"
+            fail "$OUT/gpu_check_$config.json" "the vLLM server did not start: $(grep -E 'Error|error' "$log" | tail -1)"
             return 1
         fi
-        sleep 2
+        sleep 1
     done
-    echo "server for $zero healthy after $((SECONDS - ${2:-0})) s"
+    echo "server for $config healthy after $((SECONDS - start)) s"
 }
-trap 'if [ -n "$SERVER" ]; then kill -KILL -- -$SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true; fi' EXIT
-for ZERO in $CONFIGS; do
-    case $ZERO in
-        zero3|zero3_reattach) DS_JSON=recipes/accelerate/zero3.json ;;
-        zero3_offload) DS_JSON="$OUT/zero3_offload_gpu.json" ;;
-    esac
-    SERVE=(python -m trl_async.vllm_serve --model "$MODEL" --host 127.0.0.1 --port "$PORT" --transport nccl --
-           --gpu-memory-utilization 0.3 --max-model-len 256 --enforce-eager ${GPU_CHECK_SERVER_ARGS:-})
-    setsid "${SERVE[@]}" > "$OUT/server_$ZERO.log" 2>&1 &  # its own process group: killed whole (engine included)
-    SERVER=$!
-    if ! server_up "$ZERO" "$SECONDS"; then
-        kill -KILL -- -$SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true; SERVER=
-        continue
-    fi
-    unset GPU_CHECK_RESTART GPU_CHECK_SERVER_PGID
-    if [ "$ZERO" = zero3_reattach ]; then
-        export GPU_CHECK_SERVER_PGID=$SERVER
-        export GPU_CHECK_RESTART=$(python -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "${SERVE[@]}")
-    fi
-    cat > "$OUT/${ZERO}_1gpu.yaml" <<YAML
+launch() {  # $1 config, $2 DeepSpeed json, $3 steps
+    cat > "$OUT/$1_1gpu.yaml" <<YAML
 compute_environment: LOCAL_MACHINE
 distributed_type: DEEPSPEED
 deepspeed_config:
-  deepspeed_config_file: $DS_JSON
+  deepspeed_config_file: $2
   zero3_init_flag: false
 num_machines: 1
 num_processes: 1
 machine_rank: 0
 use_cpu: false
 YAML
-    STEPS=4; [ "$ZERO" = zero3_reattach ] && STEPS=6
-    accelerate launch --config_file "$OUT/${ZERO}_1gpu.yaml" benchmarks/gpu_check.py \
-        "$OUT/gpu_check_$ZERO.json" "$MODEL" "http://127.0.0.1:$PORT" $STEPS 2>&1 | tail -40 || true
-    kill -KILL -- -$SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true; SERVER=
-    if [ -f "$OUT/gpu_check_$ZERO.json.pgid" ]; then  # the restarted server
-        kill -KILL -- -"$(cat "$OUT/gpu_check_$ZERO.json.pgid")" 2>/dev/null || true
+    accelerate launch --config_file "$OUT/$1_1gpu.yaml" benchmarks/gpu_check.py "$OUT/gpu_check_$1.json" "$MODEL" "$1" \
+        "$URL" "$3" 2>&1 | tail -40 || true
+}
+for C in $CONFIGS; do
+    T0=$SECONDS
+    if [ "$C" = colocate ]; then
+        stop_server  # the colocated server's own memory and processes are what the verdict looks at
+        python benchmarks/gpu_check.py "$OUT/gpu_check_colocate.json" "$MODEL" colocate "" 4 2>&1 | tail -40 || true
+        cp /tmp/gpu_check_out/vllm_colocate_0.log "$OUT/server_colocate.log" 2>/dev/null || true
+        echo "== $C took $((SECONDS - T0)) s"; continue
     fi
+    if [ -z "$SERVER" ] || ! kill -0 -- -"$(server_pgid)" 2>/dev/null; then
+        stop_server
+        setsid "${SERVE[@]}" > "$OUT/server_$C.log" 2>&1 &  # its own process group: killed whole (engine included)
+        SERVER=$!
+        server_up "$C" "$OUT/server_$C.log" || { stop_server; continue; }
+    fi
+    case $C in
+        trl_serve) launch "$C" recipes/accelerate/zero3.json 4 ;;
+        zero3_reattach)
+            export GPU_CHECK_SERVER_PGID=$(server_pgid)
+            export GPU_CHECK_RESTART=$(python -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "${SERVE[@]}")
+            launch "$C" recipes/accelerate/zero3.json 6
+            unset GPU_CHECK_RESTART GPU_CHECK_SERVER_PGID
+            if [ -f "$OUT/gpu_check_zero3_reattach.json.pgid" ]; then  # the restarted server serves what follows
+                SERVER=$(cat "$OUT/gpu_check_zero3_reattach.json.pgid"); rm -f "$OUT/gpu_check_zero3_reattach.json.pgid"
+                cp "$OUT/gpu_check_zero3_reattach.json.restarted.log" "$OUT/server_restarted.log" 2>/dev/null || true
+            fi ;;
+        zero3_offload) launch "$C" "$OUT/zero3_offload_gpu.json" 4 ;;
+    esac
+    echo "== $C took $((SECONDS - T0)) s"
 done
-unset GPU_CHECK_RESTART GPU_CHECK_SERVER_PGID
+stop_server
 python - "$OUT" $CONFIGS <<'PY'
 import json, os, sys
 out = sys.argv[1]
 verdicts = {}
-for zero in sys.argv[2:]:
-    path = f"{out}/gpu_check_{zero}.json"
-    verdicts[zero] = json.load(open(path)) if os.path.exists(path) else {"ok": False, "error": "no verdict (see log)"}
+for config in sys.argv[2:]:
+    path = f"{out}/gpu_check_{config}.json"
+    verdicts[config] = json.load(open(path)) if os.path.exists(path) else {"ok": False, "error": "no verdict (see log)"}
 # the offload run must really have had shards off the GPU (else it checked the flat path twice)
 offload = verdicts.get("zero3_offload", {})
 if offload.get("ok") and not offload.get("shards_off_device"):

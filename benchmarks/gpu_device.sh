@@ -16,17 +16,17 @@ while [ $# -gt 0 ]; do
         run)
             # the flash-attention kernels were left out (their size): let vLLM import without them
             sed -i 's/^if not (FA2_AVAILABLE or FA3_AVAILABLE):/if False:/' /tmp/site/vllm/vllm_flash_attn/__init__.py
-            python3 -c "import torch, vllm.entrypoints.openai.api_server, trl, deepspeed, trl_async
+            python3 -c "import torch, vllm.entrypoints.openai.api_server, vllm.entrypoints.cli.main, trl, deepspeed, trl_async
 print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 1
             G=/tmp/gpu_check; mkdir -p $G
-            export GPU_CHECK_CONFIGS="${GPU_CHECK_CONFIGS:-zero3 zero3_reattach zero3_offload}"
+            export GPU_CHECK_CONFIGS="${GPU_CHECK_CONFIGS:-trl_serve zero3_reattach zero3_offload colocate}"
             GPU_CHECK_SERVER_ARGS="--attention-backend TRITON_ATTN" timeout "${GPU_CHECK_TIMEOUT:-480}" \
                 bash benchmarks/gpu_check.sh $G > $G/gpu_check.log 2>&1
             status=$?
             echo "gpu_check exit status $status"
             for f in $G/gpu_check*.json; do echo "== $f"; cat "$f"; echo; done > "$OUT/verdicts.txt" 2>&1
             cp $G/gpu_check.json "$OUT/" 2>/dev/null
-            (cd $G && tar czf "$OUT/logs.tgz" ./*.log)
+            (cd $G && tar czf "$OUT/logs.tgz" ./*.log ./*.restarted.log 2>/dev/null)
             grep -v "Writing model\|it/s\]" $G/gpu_check.log | tail -60
             cat "$OUT/verdicts.txt"
             [ "$status" -eq 0 ] || exit "$status"

@@ -34,7 +34,7 @@ fetch "$WORK" vllm==0.32.0
     && rm -rf vllm/vllm_flash_attn/_vllm_fa[23]_C.abi3.so vllm/third_party/deep_gemm vllm/third_party/fmha_sm100 \
               vllm/vllm-rs vllm/_moe_C_stable_libtorch.abi3.so vllm/_flashkda_C.abi3.so vllm/_deepselect_C.abi3.so \
               vllm/_flashmla_C.abi3.so vllm/_qutlass_C.abi3.so \
-    && tar cf - vllm vllm-0.32.0.dist-info | xz -9e -T2 > "$OLDPWD/.gpu/a/vllm.tar.xz")
+    && tar cf - vllm vllm-0.32.0.dist-info | xz -7 -T2 > "$OLDPWD/.gpu/a/vllm.tar.xz")
 
 # .gpu/b: what vLLM (CUDA, without the kernel packages it imports optionally), TRL and DeepSpeed import
 fetch .gpu/b annotated-types==0.8.0 anthropic==2.17.0 astor==0.8.1 blake3==1.0.11 cachetools==8.0.2 cbor2==6.3.0 \
@@ -62,6 +62,6 @@ fetch .gpu/b annotated-types==0.8.0 anthropic==2.17.0 astor==0.8.1 blake3==1.0.1
 DS_BUILD_OPS=0 "${PIP:-.venv/bin/pip}" wheel -q --no-deps --no-build-isolation deepspeed==0.19.8 -w .gpu/b
 
 # .gpu/c: flashinfer
-fetch .gpu/c flashinfer-python==0.7.0.post1 apache-tvm-ffi==0.1.11
+fetch .gpu/c flashinfer-python==0.7.0.post1 apache-tvm-ffi==0.1.11 einops==0.8.2
 rm -rf "$WORK"
 du -sh .gpu/a .gpu/b .gpu/c

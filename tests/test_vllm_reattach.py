@@ -246,3 +246,55 @@ def test_a_server_that_comes_back_serving_another_model_is_refused_with_both_nam
     other = [line for server, line in url.requests if server == address(vllm_tool_server.url)]
     assert any("/server_info" in line for line in other), url.requests  # it was asked who it is ...
     assert not [line for line in other if line.startswith("POST")], other  # ... and never given work
+
+
+def test_the_only_server_restarted_between_two_pushes_gets_its_transport_before_any_weights(
+    tmp_path, vllm_model_dir, vllm_server_to_restart
+):
+    """The one server is killed at a step boundary and restarted on its port. No push can go out while it is down (no
+    server to push to), so the push after it is back goes to the same members as the last one before it was lost,
+    but the server is a new process: it must be sent ``/init_weight_transfer_engine`` before ``/update_weights``
+    (pushing over the dead process's group fails or reaches nobody). Training waits for it and finishes."""
+    import threading
+    import time
+    import urllib.parse
+
+    from transformers import TrainerCallback
+
+    from tests.test_vllm_backend import _dataset, _reward, _vllm_args
+    from tests.vllm_server import start_server
+    from trl_async import AsyncGRPOTrainer
+
+    server = vllm_server_to_restart
+    target = ("127.0.0.1", urllib.parse.urlsplit(server.url).port)
+    url = Forwarder(target)  # the same address throughout; records each request and which process got it
+    state = {}
+
+    class KillAndRestart(TrainerCallback):
+        def on_step_end(self, args, train_state, control, **kwargs):
+            if train_state.global_step == 2:
+                server.stop()
+                state["killed_at"] = len(url.requests)
+
+                def restart():
+                    state["restarted"] = start_server(vllm_model_dir, tmp_path / "restarted.log", port=target[1])
+
+                threading.Thread(target=restart, daemon=True).start()
+
+    args = _vllm_args(tmp_path, url.url, max_steps=5, max_staleness=1, rollout_heartbeat_timeout_s=3,
+                      rollout_vllm_retry_s=300)  # fmt: skip
+    trainer = AsyncGRPOTrainer(model=vllm_model_dir, reward_funcs=_reward, args=args, train_dataset=_dataset(),
+                               callbacks=[KillAndRestart()])  # fmt: skip
+    started = time.monotonic()
+    try:
+        trainer.train()
+    finally:
+        url.close()
+        if "restarted" in state:
+            state["restarted"].stop()
+    assert trainer.state.global_step == 5, time.monotonic() - started
+    assert [r["url"] for r in trainer.last_rollout_pool.backend.reattached] == [url.url]
+    after = [line.split()[1].split("?")[0] for _, line in url.requests[state["killed_at"]:]]
+    transfer = [p for p in after if p in ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights")]
+    assert transfer[:1] == ["/init_weight_transfer_engine"], transfer  # its transport first, then weights
+    assert "/update_weights" in transfer and "/inference/v1/generate" in after[after.index("/update_weights"):]

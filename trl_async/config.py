@@ -7,6 +7,7 @@ error names the field and the fix.
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 from dataclasses import dataclass, field, fields
@@ -16,6 +17,7 @@ import torch
 from trl import GRPOConfig
 
 from .cores import allowed_cores, parse_cpu_list, split_cores
+from .engine_choice import rollout_engine
 from .generation_modes import refused_generation_kwargs
 from .precision import NativePrecision
 
@@ -38,11 +40,14 @@ class AsyncFields:
     """The async-only settings. Three of them are the dials of async RL (DESIGN.md): ``max_staleness``,
     ``rollout_batch_groups`` and ``weight_sync_steps``."""
 
-    rollout_backend: Literal["transformers", "vllm"] = field(
-        default="transformers",
+    rollout_backend: Literal["transformers", "vllm"] | None = field(
+        default=None,
         metadata={
             "help": "Generation engine. 'transformers': background worker processes that run `model.generate` on "
-            "their own copy of the policy. 'vllm': running vLLM servers (`rollout_vllm_urls`), one lane per server."
+            "their own copy of the policy. 'vllm': vLLM servers, one lane per server. Default: GRPOConfig's "
+            "`use_vllm` decides, as in GRPOTrainer: use_vllm=True with vllm_mode='server' uses the running servers "
+            "(vllm_server_base_url, or vllm_server_host and vllm_server_port, or rollout_vllm_urls); with "
+            "vllm_mode='colocate' the trainer starts a vLLM server on its own GPU and stops it when training ends."
         },
     )
     rollout_vllm_urls: list[str] | None = field(
@@ -57,7 +62,8 @@ class AsyncFields:
         default="auto",
         metadata={
             "help": "How weights reach the vLLM servers: 'nccl' (vLLM's NCCL weight-transfer engine, GPU servers), "
-            "'gloo' (the trl_async_gloo engine, CPU servers), 'auto' = nccl when the trainer runs on CUDA."
+            "'gloo' (the trl_async_gloo engine, CPU servers), 'auto' = the engine the servers were started with (their "
+            "/server_info), e.g. nccl for a server started by `trl vllm-serve`."
         },
     )
     rollout_vllm_max_requests: int | None = field(
@@ -86,6 +92,21 @@ class AsyncFields:
             "rollout_vllm_retry_s. Each loss counts toward rollout_max_restarts."
         },
     )
+    rollout_vllm_python: str | None = field(
+        default=None,
+        metadata={
+            "help": "vllm_mode='colocate': the Python interpreter that runs the server the trainer starts (vLLM "
+            "installed in another environment). Default: the trainer's own."
+        },
+    )
+    rollout_vllm_server_args: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "vllm_mode='colocate': more `vllm serve` arguments for the server the trainer starts, e.g. "
+            "['--enforce-eager']. It already gets the model, vllm_gpu_memory_utilization, vllm_tensor_parallel_size, "
+            "vllm_max_model_length and vllm_model_impl."
+        },
+    )
     rollout_vllm_retry_s: float = field(
         default=30.0,
         metadata={
@@ -96,10 +117,12 @@ class AsyncFields:
     num_rollout_workers: int = field(
         default=1, metadata={"help": "Number of background rollout worker processes (each holds a policy copy)."}
     )
-    rollout_device: str = field(
-        default="cpu",
+    rollout_device: str | None = field(
+        default=None,
         metadata={
-            "help": "Device the rollout workers generate on, e.g. 'cpu' or 'cuda:1' (a GPU the trainer does not use)."
+            "help": "Device the transformers rollout workers generate on, e.g. 'cpu' or 'cuda:1'. Default: the CPU "
+            "for a CPU trainer; for a CUDA trainer a GPU no trainer rank uses if there is one, else the trainer's "
+            "own (said at start)."
         },
     )
     max_staleness: int = field(
@@ -321,9 +344,15 @@ class AsyncFields:
         },
     )
 
-    def validate_async_fields(self, loss_type: str | None = None) -> None:
+    vllm_colocate: bool = field(default=False, init=False, repr=False)  # resolved: vllm_mode='colocate'
+
+    def validate_async_fields(self, loss_type: str | None = None, use_vllm: bool = False, vllm_mode: str = "server",
+                              vllm_enable_sleep_mode: bool = False) -> None:  # fmt: skip
         """Check every async field (``ValueError`` naming the field and the fix) and resolve the defaults that
-        depend on GRPO's own settings (``loss_type``)."""
+        depend on GRPO's own settings (``loss_type``; ``use_vllm`` and ``vllm_mode`` choose the engine)."""
+        choice = rollout_engine(self.rollout_backend, use_vllm, vllm_mode, self.rollout_vllm_urls,
+                                vllm_enable_sleep_mode)  # fmt: skip
+        self.rollout_backend, self.vllm_colocate = choice.backend, choice.colocate
 
         def need(ok: bool, name: str, fix: str) -> None:
             if not ok:
@@ -416,7 +445,7 @@ class AsyncFields:
             "set it to 1 or more",
         )
         try:
-            device = torch.device(self.rollout_device)
+            device = torch.device(self.rollout_device or "cpu")
         except (RuntimeError, TypeError) as exc:
             raise ValueError(
                 f"AsyncGRPOConfig.rollout_device={self.rollout_device!r} is invalid: use a torch device "
@@ -586,7 +615,7 @@ class AsyncFields:
             return self.rollout_nice
         if self.rollout_cpu_affinity is not None:
             return 0  # cores of their own: nothing to yield to
-        return 19 if torch.device(self.rollout_device).type == "cpu" else 0
+        return 19 if torch.device(self.rollout_device or "cpu").type == "cpu" else 0
 
     @property
     def resolved_weight_update(self) -> str:
@@ -603,9 +632,28 @@ class AsyncFields:
 
 def async_fields_of(args: GRPOConfig) -> AsyncFields:
     """The async settings of ``args``: its own for an ``AsyncGRPOConfig``, the defaults for a plain ``GRPOConfig``."""
-    settings = AsyncFields(**{f.name: getattr(args, f.name) for f in fields(AsyncFields) if hasattr(args, f.name)})
-    settings.validate_async_fields(loss_type=getattr(args, "loss_type", None))
+    settings = AsyncFields(**{f.name: getattr(args, f.name) for f in fields(AsyncFields)
+                              if f.init and hasattr(args, f.name)})  # fmt: skip
+    settings.validate_async_fields(**trl_engine_fields(args))
     return settings
+
+
+def trl_engine_fields(args) -> dict:
+    """GRPOConfig's fields that the async settings resolve against."""
+    return {"loss_type": getattr(args, "loss_type", None), "use_vllm": getattr(args, "use_vllm", False),
+            "vllm_mode": getattr(args, "vllm_mode", "server"),
+            "vllm_enable_sleep_mode": getattr(args, "vllm_enable_sleep_mode", False)}  # fmt: skip
+
+
+def for_grpo_trainer(args):
+    """``args`` as GRPOTrainer's own set-up must see them: with ``use_vllm`` off (a copy), since the async settings
+    already turned TRL's vLLM fields into the rollout engine, and GRPOTrainer would otherwise start or connect to a
+    vLLM of its own."""
+    if args is None or not getattr(args, "use_vllm", False):
+        return args
+    parent = copy.copy(args)
+    parent.use_vllm = False
+    return parent
 
 
 @dataclass
@@ -614,4 +662,4 @@ class AsyncGRPOConfig(GRPOConfig, AsyncFields):
 
     def __post_init__(self):
         super().__post_init__()
-        self.validate_async_fields(loss_type=self.loss_type)
+        self.validate_async_fields(**trl_engine_fields(self))

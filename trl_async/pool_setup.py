@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import copy
 import threading
+from pathlib import Path
 
 from accelerate.utils import is_peft_model
+from transformers.utils import logging
 from trl.data_utils import is_conversational
 
 from .engines.transformers.worker import WorkerSpec
@@ -26,6 +28,8 @@ from .rollout.scoring import RewardScorer, decode_completions
 from .rollout.tool_calls import ToolRunner, split_tools
 from .sync.adapters import adapter_tensors
 from .sync.policy import policy_specs
+
+logger = logging.get_logger(__name__)
 
 
 def start_pool(trainer, progress: dict | None = None) -> RolloutPool:
@@ -148,14 +152,50 @@ def vllm_urls(trainer) -> list[str]:
     return [f"http://{args.vllm_server_host}:{args.vllm_server_port}"]
 
 
-def vllm_transport(trainer) -> str:
-    transport = trainer.async_args.rollout_vllm_weight_transport
-    if transport == "auto":
-        return "nccl" if trainer.accelerator.device.type == "cuda" else "gloo"
-    return transport
+def colocated_servers(trainer, model) -> list:
+    """vllm_mode='colocate': start a vLLM server on each of the trainer's GPU groups and wait for them."""
+    from .engines.vllm.colocate import ColocatedServer, colocated_flags, wait_for
+
+    args, a = trainer.args, trainer.async_args
+    base = model.get_base_model() if is_peft_model(model) else model
+    name = getattr(base.config, "_name_or_path", None)
+    if not name:
+        raise ValueError("GRPOConfig.vllm_mode='colocate' starts a vLLM server, which loads the model by name: pass "
+                         "the model as a hub id or a path (or save_pretrained it first)")  # fmt: skip
+    groups = trainer._colocated_gpus
+    on_gpu = groups[0] is not None
+    dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
+    flags = colocated_flags(args.vllm_max_model_length, args.vllm_gpu_memory_utilization,
+                            args.vllm_tensor_parallel_size, args.vllm_model_impl, dtype, on_gpu)  # fmt: skip
+    flags += list(a.rollout_vllm_server_args or [])
+    servers = []
+    try:
+        for i, gpus in enumerate(groups):
+            log = Path(args.output_dir or ".") / f"vllm_colocate_{i}.log"
+            servers.append(ColocatedServer.start(name, "nccl" if on_gpu else "gloo", flags, gpus, log,
+                                                 a.rollout_vllm_python))  # fmt: skip
+            logger.warning("vllm_mode='colocate': started a vLLM server for %s on %s at %s (log: %s)", name,
+                           f"GPU {','.join(gpus)}" if gpus else "the CPU", servers[-1].url, log)  # fmt: skip
+        wait_for(servers, args.vllm_server_timeout)
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
 
 
 def vllm_backend(trainer, model):
+    a = trainer.async_args
+    owned = colocated_servers(trainer, model) if a.vllm_colocate else []
+    try:
+        return _vllm_backend(trainer, model, [s.url for s in owned] or vllm_urls(trainer), owned)
+    except BaseException:
+        for server in owned:
+            server.stop()
+        raise
+
+
+def _vllm_backend(trainer, model, urls: list[str], owned: list):
     from .engines.vllm.backend import AdapterPlan, VLLMBackend, VLLMLaneSpec
 
     args, a = trainer.args, trainer.async_args
@@ -183,13 +223,15 @@ def vllm_backend(trainer, model):
             request_timeout_s=a.rollout_timeout_s,
             retry_s=a.rollout_vllm_retry_s,
         )
-        for i, url in enumerate(vllm_urls(trainer))
+        for i, url in enumerate(urls)
     ]
     return VLLMBackend(
         specs,
         max_outstanding=trainer._queue_size,
         weight_specs=policy_specs(model, persistent_only=True),
-        transport=vllm_transport(trainer),
+        transport=a.rollout_vllm_weight_transport,  # 'auto': what the servers say (their /server_info)
+        trainer_device=str(trainer.accelerator.device),
+        owned=owned,
         bucket_bytes=int(a.weight_sync_bucket_mb * 2**20),
         pause_mode="keep" if a.resolved_weight_update == "decode_step" else "wait",
         startup_timeout_s=args.vllm_server_timeout,

@@ -103,11 +103,6 @@ def refuse_before_loading(model, args, train_dataset, quantization_config, rollo
             "policy weights after every sync. Supported: one process, DDP, DeepSpeed ZeRO-2 and ZeRO-3, and LoRA "
             "on an unquantized base model. Use trl.GRPOTrainer for this set-up."
         )
-    if args is not None and getattr(args, "use_vllm", False):
-        raise ValueError(
-            "AsyncGRPOTrainer generates in its own rollout workers: leave `use_vllm=False` and choose the engine "
-            "with `AsyncGRPOConfig.rollout_backend`."
-        )
     if train_dataset is not None and not isinstance(train_dataset, IterableDataset) and len(train_dataset) == 0:
         raise ValueError("train_dataset is empty: AsyncGRPOTrainer needs at least one prompt to generate from.")
     if isinstance(train_dataset, IterableDataset):
@@ -138,7 +133,7 @@ def check_after_loading(trainer) -> None:
             f"gradient_accumulation_steps ({trainer.args.gradient_accumulation_steps}) so that every generation batch "
             "is consumed at one policy version; set steps_per_generation to a multiple of it."
         )
-    if trainer.async_args.rollout_device.startswith("cuda") and not torch.cuda.is_available():
+    if (trainer.async_args.rollout_device or "cpu").startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(
             f"AsyncGRPOConfig.rollout_device={trainer.async_args.rollout_device!r} but CUDA is not available; "
             "use rollout_device='cpu'."

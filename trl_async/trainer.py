@@ -25,10 +25,12 @@ from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
-from .config import async_fields_of
+from .config import async_fields_of, for_grpo_trainer
 from .cores import PinnedTrainer
 from .correction import off_policy_correction, stats_across_ranks
+from .engine_choice import settle_rollout_device
 from .engines.transformers.worker_process import prestart_worker_server
+from .engines.vllm.colocate import trainer_gpu_groups
 from .pool_setup import start_pool
 from .progress import AsyncProgressCallback, batch_metrics
 from .records import RolloutGroup
@@ -98,14 +100,15 @@ class AsyncGRPOTrainer(GRPOTrainer):
         environment_factory=None,
     ):
         refuse_before_loading(model, args, train_dataset, quantization_config, rollout_func, tools, environment_factory)
+        settings = async_fields_of(args) if args is not None else None  # TRL's use_vllm/vllm_mode resolved here
         rank = get_int_from_env(["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK"], 0)
-        if getattr(args, "rollout_backend", "transformers") == "transformers" and rank == 0:
+        if (settings is None or settings.rollout_backend == "transformers") and rank == 0:
             # the main process's workers: their forkserver's imports overlap GRPOTrainer's set-up below, not step 1
             prestart_worker_server(model)
         super().__init__(
             model=model,
             reward_funcs=reward_funcs,
-            args=args,
+            args=for_grpo_trainer(args),  # without its own vLLM: the rollout engine generates
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=processing_class,
@@ -118,7 +121,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
             rollout_func=rollout_func,
             environment_factory=environment_factory,
         )
-        self.async_args = async_fields_of(self.args)
+        self.async_args = settings if settings is not None else async_fields_of(self.args)
+        settle_rollout_device(self.async_args, self.accelerator.device)  # transformers workers: CPU or which GPU
+        self._colocated_gpus = (  # vllm_mode='colocate': the GPUs of each server the main process starts
+            trainer_gpu_groups(self.accelerator, self.args.vllm_tensor_parallel_size)
+            if self.async_args.vllm_colocate else None
+        )  # fmt: skip
         check_after_loading(self)
         self._adapter_sync = adapter_only_sync(self)  # LoRA: workers get the base once, then only the adapters
         self._base_pending = False

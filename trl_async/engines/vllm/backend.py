@@ -67,12 +67,16 @@ class VLLMBackend:
         startup_timeout_s: float,
         adapters: AdapterPlan | None = None,
         down_limit_s: float | None = None,
+        trainer_device: str = "cpu",
+        owned: Sequence = (),
     ) -> None:
+        self.owned = list(owned)  # colocated servers (colocate.py): stopped with the backend
         self.specs = list(specs)
         self.max_outstanding = max_outstanding
         self.pause_mode = pause_mode
         self.servers = servers = [VLLMServer(s.url, s.request_timeout_s, s.retry_s) for s in self.specs]
-        infos = [check_server(server, startup_timeout_s, transport) for server in servers]
+        infos = [check_server(server, startup_timeout_s) for server in servers]
+        transport = served_transport(transport, infos, [s.url for s in servers], trainer_device)
         self.identities = [identity(info) for info in infos]  # what a server must be to be taken back
         self.down_limit_s = down_limit_s
         self.reattached: list[dict] = []  # each re-attach: url, seconds down, seconds from back to taking work
@@ -168,8 +172,10 @@ class VLLMBackend:
                                          [self.servers[i] for i in live])  # fmt: skip
             live = [i for i, ok in zip(live, loaded, strict=True) if ok]
         else:
-            if live != self._members:  # a server was lost or came back: a new group over the ones up now
-                self._regroup(live)
+            if live != self._members or back:  # a server was lost or came back: a new group over the ones up now
+                self._regroup(live)  # (one back is a new process: its transport is opened before any push, even
+                # when the group's members are the same as at the last push: the only server, or one lost and back
+                # between two pushes)
             self.pusher.push(buckets, version, self.pause_mode)
         peers = [i for i in live if i not in back]
         for i in back:
@@ -212,6 +218,8 @@ class VLLMBackend:
             lane.kill()
         if self.served is not None:
             self.served.close()
+        for server in self.owned:
+            server.stop()
 
 
 def _drain(buckets: Buckets) -> None:
@@ -250,11 +258,48 @@ def lora_blocker(info: dict, url: str, rank: int, leaves: set[str]) -> str | Non
     return None
 
 
-def check_server(server: VLLMServer, startup_timeout_s: float, transport: str) -> dict:
+TRANSPORTS = {"nccl": "nccl", "trl_async_gloo": "gloo"}  # a server's weight-transfer engine -> our transport
+
+
+def served_transport(requested: str, infos: Sequence[dict], urls: Sequence[str], trainer_device: str) -> str:
+    """The weight transport to use with servers described by ``infos`` (their ``/server_info``): the engine they were
+    started with (``--weight-transfer-config``), which must be one the trainer can drive and the same on every
+    server; ``requested`` ('auto', 'nccl' or 'gloo') must agree with it."""
+    hint = "start it with `python -m trl_async.vllm_serve` (--transport nccl on GPUs, gloo on CPUs) or `trl vllm-serve`"
+    found = []
+    for info, url in zip(infos, urls, strict=True):
+        engine = ((info.get("vllm_config") or {}).get("weight_transfer_config") or {}).get("backend")
+        if engine not in TRANSPORTS:
+            raise VLLMServerError(
+                f"vLLM server {url} has {'no' if engine is None else f'the {engine!r}'} weight-transfer engine, "
+                "which the trainer cannot push weights to: add --weight-transfer-config '{\"backend\": \"nccl\"}' "
+                f"(GPU servers) or '{{\"backend\": \"trl_async_gloo\"}}' (CPU servers); {hint}"
+            )
+        found.append(TRANSPORTS[engine])
+    if len(set(found)) > 1:
+        raise VLLMServerError(f"the vLLM servers were started with different weight transports {dict(zip(urls, found, strict=True))}: "
+                              "one push group needs one; restart them with the same --weight-transfer-config")  # fmt: skip
+    transport = found[0]
+    if requested not in ("auto", transport):
+        engine = "trl_async_gloo" if requested == "gloo" else "nccl"
+        raise VLLMServerError(
+            f"vLLM server {urls[0]} has no '{engine}' weight-transfer engine (it was started with {transport}): add "
+            f"--weight-transfer-config '{{\"backend\": \"{engine}\"}}', or set rollout_vllm_weight_transport='auto'; "
+            f"{hint}"
+        )
+    if transport == "nccl" and not trainer_device.startswith("cuda"):
+        raise VLLMServerError(
+            f"vLLM server {urls[0]} receives weights over NCCL, which needs the trainer on a GPU, but it runs on "
+            f"{trainer_device}: start CPU servers with `python -m trl_async.vllm_serve --transport gloo`, or train on a GPU"
+        )
+    return transport
+
+
+def check_server(server: VLLMServer, startup_timeout_s: float) -> dict:
     """Fail early, naming the flag to add, when a server is not started the way this backend needs. Returns its
     ``/server_info``."""
     server.wait_until_healthy(startup_timeout_s)
-    hint = "start it with `python -m trl_async.vllm_serve` (or see the README for the flags)"
+    hint = "start it with `python -m trl_async.vllm_serve` or `trl vllm-serve` (or see the README for the flags)"
     try:
         info = server.server_info()
     except VLLMServerError as exc:
@@ -268,10 +313,9 @@ def check_server(server: VLLMServer, startup_timeout_s: float, transport: str) -
             f"vLLM server {server.url} does not return the log-probs of the distribution it samples from: add "
             f"--logprobs-mode processed_logprobs (the off-policy correction needs mu); {hint}"
         )
-    expected = "trl_async_gloo" if transport == "gloo" else "nccl"
-    if (config.get("weight_transfer_config") or {}).get("backend") != expected:
+    if not server.has_endpoint("/inference/v1/generate"):
         raise VLLMServerError(
-            f"vLLM server {server.url} has no '{expected}' weight-transfer engine: add --weight-transfer-config "
-            f'\'{{"backend": "{expected}"}}\'; {hint}'
+            f"vLLM server {server.url} has no token-in/token-out endpoint /inference/v1/generate (which returns each "
+            f"token's weight version): add --enable-scale-out; {hint}"
         )
     return info

@@ -223,6 +223,14 @@ class VLLMServer:
                 raise VLLMServerError(f"vLLM server {self.url} was not healthy (GET /health) within {timeout_s:.0f}s")
             time.sleep(0.5)
 
+    def has_endpoint(self, path: str, timeout_s: float = 5.0) -> bool:
+        """Whether the server routes ``path`` at all (any answer but 404 Not Found to a GET)."""
+        try:
+            self._once("GET", path, None, timeout_s)
+        except urllib.error.HTTPError as exc:
+            return exc.code != 404
+        return True
+
     def requests_in_flight(self, timeout_s: float = 2.0) -> int:
         """The requests the server is running or has waiting (its Prometheus gauges, summed over its engines)."""
         text = self._once("GET", "/metrics", None, timeout_s).get("text", "")
