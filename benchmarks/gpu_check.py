@@ -97,7 +97,7 @@ def main(out_path: str, model_dir: str, mode: str, url: str | None, steps: int) 
         save_strategy="no",
         beta=0.0,
         max_steps=steps,
-        max_staleness=1,
+        max_staleness=0 if mode == "colocate" else 1,  # colocate: every ratio must then be 1 (the pushed weights)
         vllm_server_timeout=300,
         # the only server is down while it restarts (a CUDA vLLM server starts in ~1-2 min): wait for it
         **({"rollout_vllm_retry_s": 600} if restart else {}),
@@ -134,7 +134,7 @@ def main(out_path: str, model_dir: str, mode: str, url: str | None, steps: int) 
         "reattached": reattached,
         "transport": type(backend.pusher.sender).__name__,
     }
-    ok = trainer.state.global_step == steps and staleness and max(staleness) <= 1
+    ok = trainer.state.global_step == steps and staleness and max(staleness) <= args.max_staleness
     if mode == "colocate":
         servers = backend.owned
         left = [pid for pid in gpu_processes() if pid != os.getpid()]

@@ -38,7 +38,7 @@ PORT=8765
 URL="http://127.0.0.1:$PORT"
 # TRL's own server command (trl vllm-serve's entry point), with our arguments passed through to `vllm serve`
 SERVE=(python -m trl.scripts.vllm_serve --model "$MODEL" --host 127.0.0.1 --port "$PORT" --gpu_memory_utilization 0.3
-       --max_model_len 256 --enforce_eager ${GPU_CHECK_SERVER_ARGS:-})
+       --max_model_len 256 --enforce_eager --dtype float32 ${GPU_CHECK_SERVER_ARGS:-})
 SERVER=
 server_pgid() { if [ -f "$OUT/gpu_check_zero3_reattach.json.pgid" ]; then cat "$OUT/gpu_check_zero3_reattach.json.pgid"; else echo "$SERVER"; fi; }
 stop_server() {
