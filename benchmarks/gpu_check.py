@@ -143,6 +143,9 @@ def main(out_path: str, model_dir: str, mode: str, url: str | None, steps: int) 
         ok = ok and servers and all(s.process.poll() is not None for s in servers) and not left
         ok = ok and all(abs(r - 1) < 0.05 for r in ratios)
     else:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()  # else from_pretrained partitions it (ZeRO-3's zero.Init): every tensor of size 0
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
         model.load_state_dict(state, strict=False)
         server = VLLMServer(url)

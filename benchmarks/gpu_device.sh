@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_device.sh install b             install the wheels carried in .gpu/b into /tmp/site
 #   bash benchmarks/gpu_device.sh install c run         the same for .gpu/c, then the GPU check
 # The check's verdicts (verdicts.txt, gpu_check.json) and its logs (logs.tgz) are written to $OUT, which comes back.
-# GPU_CHECK_CONFIGS and GPU_CHECK_TIMEOUT (seconds, default 480) bound what runs.
+# GPU_CHECK_CONFIGS and GPU_CHECK_TIMEOUT (seconds, default 600: each server start took 100 s on an H200) bound what runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -20,7 +20,7 @@ while [ $# -gt 0 ]; do
 print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 1
             G=/tmp/gpu_check; mkdir -p $G
             export GPU_CHECK_CONFIGS="${GPU_CHECK_CONFIGS:-trl_serve zero3_reattach zero3_offload colocate}"
-            GPU_CHECK_SERVER_ARGS="--attention-backend TRITON_ATTN" timeout "${GPU_CHECK_TIMEOUT:-480}" \
+            GPU_CHECK_SERVER_ARGS="--attention-backend TRITON_ATTN" timeout "${GPU_CHECK_TIMEOUT:-600}" \
                 bash benchmarks/gpu_check.sh $G > $G/gpu_check.log 2>&1
             status=$?
             echo "gpu_check exit status $status"

@@ -53,7 +53,8 @@ def test_weight_sync_must_fit_in_the_staleness_bound():
 
 def test_plain_grpo_config_gets_async_defaults():
     settings = async_fields_of(GRPOConfig(**BASE))
-    assert settings == AsyncFields(off_policy_correction="decoupled")  # the default, resolved for loss_type="dapo"
+    # the defaults, resolved: the engine (use_vllm=False: transformers workers) and the correction (loss_type="dapo")
+    assert settings == AsyncFields(rollout_backend="transformers", off_policy_correction="decoupled")
     assert settings.max_staleness == 1 and settings.off_policy_correction == "decoupled"
     assert settings.resolved_importance_sampling_cap == 5.0  # AReaL's cap for the decoupled default
 

@@ -54,6 +54,7 @@ class VLLMBackend:
     server cannot serve the adapters: then ``adapter_blocker`` says why and every version is pushed merged."""
 
     restartable = True  # a lost server's lane waits for it to come back (reattach.py)
+    owned: Sequence = ()  # colocated servers (colocate.py), stopped with the backend
     restart_note = "waiting for it to come back (re-attached at a weight sync once it answers)"
 
     def __init__(
@@ -70,7 +71,7 @@ class VLLMBackend:
         trainer_device: str = "cpu",
         owned: Sequence = (),
     ) -> None:
-        self.owned = list(owned)  # colocated servers (colocate.py): stopped with the backend
+        self.owned = list(owned)
         self.specs = list(specs)
         self.max_outstanding = max_outstanding
         self.pause_mode = pause_mode
