@@ -3,6 +3,7 @@ flags and lifecycle (engines/vllm/colocate.py); the weight transport read from a
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -42,7 +43,11 @@ def test_the_config_resolves_trls_fields_and_grpo_trainer_sees_no_vllm_of_its_ow
 
     base = dict(output_dir="/tmp/unused", report_to=[], use_cpu=True, bf16=False)
     args = AsyncGRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_base_url="http://h:8000", **base)
-    assert (args.rollout_backend, args.vllm_colocate) == ("vllm", False)
+    assert args.rollout_backend is None  # as set: resolved wherever the settings are read
+    assert (async_fields_of(args).rollout_backend, async_fields_of(args).vllm_colocate) == ("vllm", False)
+    copied = copy.copy(args)  # a copy with TRL's switch turned off follows it
+    copied.use_vllm = False
+    assert async_fields_of(copied).rollout_backend == "transformers"
     parent = for_grpo_trainer(args)
     assert parent is not args and parent.use_vllm is False and args.use_vllm is True
     plain = GRPOConfig(use_vllm=True, vllm_mode="colocate", **base)  # a plain GRPOConfig swapped in

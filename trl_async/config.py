@@ -346,7 +346,7 @@ class AsyncFields:
 
     vllm_colocate: bool = field(default=False, init=False, repr=False)  # resolved: vllm_mode='colocate'
 
-    def validate_async_fields(self, loss_type: str | None = None, use_vllm: bool = False, vllm_mode: str = "server",
+    def validate_async_fields(self, loss_type: str | None = None, use_vllm: bool = False, vllm_mode: str = "colocate",
                               vllm_enable_sleep_mode: bool = False) -> None:  # fmt: skip
         """Check every async field (``ValueError`` naming the field and the fix) and resolve the defaults that
         depend on GRPO's own settings (``loss_type``; ``use_vllm`` and ``vllm_mode`` choose the engine)."""
@@ -641,7 +641,7 @@ def async_fields_of(args: GRPOConfig) -> AsyncFields:
 def trl_engine_fields(args) -> dict:
     """GRPOConfig's fields that the async settings resolve against."""
     return {"loss_type": getattr(args, "loss_type", None), "use_vllm": getattr(args, "use_vllm", False),
-            "vllm_mode": getattr(args, "vllm_mode", "server"),
+            "vllm_mode": getattr(args, "vllm_mode", "colocate"),
             "vllm_enable_sleep_mode": getattr(args, "vllm_enable_sleep_mode", False)}  # fmt: skip
 
 
@@ -662,4 +662,8 @@ class AsyncGRPOConfig(GRPOConfig, AsyncFields):
 
     def __post_init__(self):
         super().__post_init__()
+        given = self.rollout_backend
         self.validate_async_fields(**trl_engine_fields(self))
+        # kept as set: the engine is resolved again, with use_vllm as it is then, wherever the settings are read
+        # (async_fields_of), so a config copied with another use_vllm follows it
+        self.rollout_backend, self.vllm_colocate = given, False

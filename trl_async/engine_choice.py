@@ -96,7 +96,8 @@ def settle_rollout_device(settings, trainer_device) -> None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     own = trainer_device.index if trainer_device.type == "cuda" and trainer_device.index is not None else 0
     visible = torch.cuda.device_count() if trainer_device.type == "cuda" else 0
-    choice = rollout_device_for(None, str(trainer_device), visible, set(range(local)) | {own})
+    ranks = {own} if local == 1 else set(range(local)) | {own}  # ranks here train on cuda:0 .. cuda:local-1
+    choice = rollout_device_for(None, str(trainer_device), visible, ranks)
     settings.rollout_device = choice.device
     if trainer_device.type == "cuda":
         logging.get_logger(__name__).warning("rollout workers generate on %s: %s", choice.device, choice.reason)

@@ -66,14 +66,19 @@ def start_pool(trainer, progress: dict | None = None) -> RolloutPool:
         progress=progress,
     )
     backend = vllm_backend(trainer, model) if a.rollout_backend == "vllm" else process_backend(trainer, model)
-    read_row = trainer.train_dataset.__getitem__  # once per admitted group (RolloutPool keeps the row)
-    keep = None
-    if a.dynamic_sampling:  # groups without signal never take a batch slot
-        keep = SignalFilter(trainer.reward_weights, args.multi_objective_aggregation, trainer.reward_func_names,
-                            trainer._groups_per_batch, a.dynamic_sampling_limit).keep  # fmt: skip
-    return RolloutPool(
-        backend, settings, prompts, read_row, make_tokenize_row(trainer), make_score_group(trainer), episodes, keep
-    )
+    try:
+        read_row = trainer.train_dataset.__getitem__  # once per admitted group (RolloutPool keeps the row)
+        keep = None
+        if a.dynamic_sampling:  # groups without signal never take a batch slot
+            keep = SignalFilter(trainer.reward_weights, args.multi_objective_aggregation, trainer.reward_func_names,
+                                trainer._groups_per_batch, a.dynamic_sampling_limit).keep  # fmt: skip
+        return RolloutPool(
+            backend, settings, prompts, read_row, make_tokenize_row(trainer), make_score_group(trainer), episodes, keep
+        )
+    except BaseException:
+        if hasattr(backend, "close"):  # colocated vLLM servers must not outlive a pool that never started
+            backend.close()
+        raise
 
 
 def episode_runner_factory(trainer):

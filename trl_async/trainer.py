@@ -121,6 +121,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
             rollout_func=rollout_func,
             environment_factory=environment_factory,
         )
+        if args is not None:  # the settings as the user gave them (checkpoints and trackers record these)
+            self.args.use_vllm = getattr(args, "use_vllm", False)  # (GRPOTrainer keeps its own self.use_vllm off)
         self.async_args = settings if settings is not None else async_fields_of(self.args)
         settle_rollout_device(self.async_args, self.accelerator.device)  # transformers workers: CPU or which GPU
         self._colocated_gpus = (  # vllm_mode='colocate': the GPUs of each server the main process starts

@@ -284,7 +284,7 @@ def served_transport(requested: str, infos: Sequence[dict], urls: Sequence[str],
     if requested not in ("auto", transport):
         engine = "trl_async_gloo" if requested == "gloo" else "nccl"
         raise VLLMServerError(
-            f"vLLM server {urls[0]} has no '{engine}' weight-transfer engine (it was started with {transport}): add "
+            f"vLLM server {', '.join(urls)} has no '{engine}' weight-transfer engine (it was started with {transport}): add "
             f"--weight-transfer-config '{{\"backend\": \"{engine}\"}}', or set rollout_vllm_weight_transport='auto'; "
             f"{hint}"
         )

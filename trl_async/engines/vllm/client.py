@@ -229,6 +229,8 @@ class VLLMServer:
             self._once("GET", path, None, timeout_s)
         except urllib.error.HTTPError as exc:
             return exc.code != 404
+        except (urllib.error.URLError, OSError) as exc:
+            raise VLLMServerError(f"vLLM server {self.url} failed GET {path}: {exc}") from exc
         return True
 
     def requests_in_flight(self, timeout_s: float = 2.0) -> int:

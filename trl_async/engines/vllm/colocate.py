@@ -60,11 +60,22 @@ def colocated_flags(max_model_len: int | None, gpu_memory_utilization: float, te
     return flags
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        import ctypes
+try:  # loaded here: the child runs only the call between fork and exec (no import, no lock another thread may hold)
+    import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    _LIBC = ctypes.CDLL(None, use_errno=True)
+except (OSError, ImportError):  # not Linux: no parent-death signal
+    _LIBC = None
+
+
+def _die_with(parent: int):
+    def arm() -> None:
+        if _LIBC is not None and hasattr(_LIBC, "prctl"):
+            _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: SIGTERM when the trainer's process dies
+            if os.getppid() != parent:  # it died before the signal was armed
+                os._exit(1)
+
+    return arm
 
 
 @dataclass(eq=False)
@@ -83,12 +94,13 @@ class ColocatedServer:
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        for name in [n for n in env if n.startswith("TORCHELASTIC_")] + [
+            "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"]:  # fmt: skip
             env.pop(name, None)  # the trainer's process group is not the server's
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "w") as out:
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                       preexec_fn=_die_with_parent)  # fmt: skip
+                                       preexec_fn=_die_with(os.getpid()))  # fmt: skip
         return cls(f"http://127.0.0.1:{port}", process, log)
 
     def exited(self) -> str | None:
