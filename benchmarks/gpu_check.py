@@ -137,10 +137,13 @@ def main(out_path: str, model_dir: str, mode: str, url: str | None, steps: int) 
     ok = trainer.state.global_step == steps and staleness and max(staleness) <= args.max_staleness
     if mode == "colocate":
         servers = backend.owned
-        left = [pid for pid in gpu_processes() if pid != os.getpid()]
+        left = [pid for pid in gpu_processes() if pid != os.getpid()]  # (a container may hide other PIDs: see below)
+        free, total = torch.cuda.mem_get_info()
+        others = (total - free - torch.cuda.memory_reserved()) / 2**30  # held by other processes (and our context)
         verdict["server_exit_codes"] = [s.process.returncode for s in servers]
         verdict["gpu_processes_left"] = left
-        ok = ok and servers and all(s.process.poll() is not None for s in servers) and not left
+        verdict["gpu_gib_not_ours"] = round(others, 2)  # the server held vllm_gpu_memory_utilization=0.3 of the GPU
+        ok = ok and servers and all(s.process.poll() is not None for s in servers) and not left and others < 4
         ok = ok and all(abs(r - 1) < 0.05 for r in ratios)
     else:
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
