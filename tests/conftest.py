@@ -60,7 +60,8 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.integration)
         if item.module.__name__.endswith("test_distributed"):
             item.add_marker(pytest.mark.distributed)
-        if {"vllm_server", "vllm_tool_server", "vllm_server_to_kill", "vllm_server_to_restart"} & set(getattr(item, "fixturenames", ())):
+        if {"vllm_server", "vllm_tool_server", "vllm_server_to_kill", "vllm_server_to_restart",
+            "vllm_lone_server"} & set(getattr(item, "fixturenames", ())):  # fmt: skip
             item.add_marker(pytest.mark.vllm)
     # the vLLM tests last (stable order otherwise): `.ci/run` installs the vLLM environment in the background while
     # the others run, so the first vLLM server rarely waits for it
@@ -123,6 +124,14 @@ def vllm_server_to_kill(request):
 def vllm_server_to_restart(request):
     """Another server of its own, for the test that kills it and restarts it on its port (tests/test_vllm_reattach.py)."""
     server = _prepared(request, "vllm_server_to_restart")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def vllm_lone_server(request):
+    """A server of its own, killed and restarted as the only server of a run (tests/test_vllm_reattach.py)."""
+    server = _prepared(request, "vllm_lone_server")
     yield server
     server.stop()
 

@@ -249,7 +249,7 @@ def test_a_server_that_comes_back_serving_another_model_is_refused_with_both_nam
 
 
 def test_the_only_server_restarted_between_two_pushes_gets_its_transport_before_any_weights(
-    tmp_path, vllm_model_dir, vllm_server_to_restart
+    tmp_path, vllm_model_dir, vllm_lone_server
 ):
     """The one server is killed at a step boundary and restarted on its port. No push can go out while it is down (no
     server to push to), so the push after it is back goes to the same members as the last one before it was lost,
@@ -265,7 +265,7 @@ def test_the_only_server_restarted_between_two_pushes_gets_its_transport_before_
     from tests.vllm_server import start_server
     from trl_async import AsyncGRPOTrainer
 
-    server = vllm_server_to_restart
+    server = vllm_lone_server
     target = ("127.0.0.1", urllib.parse.urlsplit(server.url).port)
     url = Forwarder(target)  # the same address throughout; records each request and which process got it
     state = {}

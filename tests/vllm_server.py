@@ -83,12 +83,13 @@ def start_server(model_dir: str, log: Path, startup_s: float = 300.0, extra_flag
 
 
 # what the vLLM tests use, by fixture name, in the order they first need it (the tests run in file order)
-PRESTART_ORDER = ("vllm_model_dir", "vllm_server", "vllm_server_to_kill", "vllm_server_to_restart",
+PRESTART_ORDER = ("vllm_model_dir", "vllm_server", "vllm_server_to_kill", "vllm_server_to_restart", "vllm_lone_server",
                   "vllm_tool_model_dir", "vllm_tool_server")  # fmt: skip
 _NEEDS = {
     "vllm_server": "vllm_model_dir",
     "vllm_server_to_kill": "vllm_model_dir",
     "vllm_server_to_restart": "vllm_model_dir",
+    "vllm_lone_server": "vllm_model_dir",
     "vllm_tool_server": "vllm_tool_model_dir",
 }
 
