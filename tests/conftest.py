@@ -130,7 +130,8 @@ def vllm_server_to_restart(request):
 
 @pytest.fixture
 def vllm_lone_server(request):
-    """A server of its own, killed and restarted as the only server of a run (tests/test_vllm_reattach.py)."""
+    """A server of its own, started as TRL's `trl vllm-serve` starts it, killed and restarted as the only server of a
+    run (tests/test_vllm_reattach.py)."""
     server = _prepared(request, "vllm_lone_server")
     yield server
     server.stop()

@@ -251,10 +251,13 @@ def test_a_server_that_comes_back_serving_another_model_is_refused_with_both_nam
 def test_the_only_server_restarted_between_two_pushes_gets_its_transport_before_any_weights(
     tmp_path, vllm_model_dir, vllm_lone_server
 ):
-    """The one server is killed at a step boundary and restarted on its port. No push can go out while it is down (no
-    server to push to), so the push after it is back goes to the same members as the last one before it was lost,
-    but the server is a new process: it must be sent ``/init_weight_transfer_engine`` before ``/update_weights``
-    (pushing over the dead process's group fails or reaches nobody). Training waits for it and finishes."""
+    """A server started as TRL's `trl vllm-serve` starts it, and a trainer configured with GRPOTrainer's own fields
+    (``use_vllm=True``, ``vllm_mode='server'``, ``vllm_server_base_url``; the transport read from the server). The
+    one server is killed at a step boundary and restarted on its port, the same way. No push can go out while it is
+    down (no server to push to), so the push after it is back goes to the same members as the last one before it was
+    lost, but the server is a new process: it must be sent ``/init_weight_transfer_engine`` before
+    ``/update_weights`` (pushing over the dead process's group fails or reaches nobody). Training waits for it and
+    finishes."""
     import threading
     import time
     import urllib.parse
@@ -277,12 +280,14 @@ def test_the_only_server_restarted_between_two_pushes_gets_its_transport_before_
                 state["killed_at"] = len(url.requests)
 
                 def restart():
-                    state["restarted"] = start_server(vllm_model_dir, tmp_path / "restarted.log", port=target[1])
+                    state["restarted"] = start_server(vllm_model_dir, tmp_path / "restarted.log", port=target[1],
+                                                      trl_style=True)  # fmt: skip
 
                 threading.Thread(target=restart, daemon=True).start()
 
-    args = _vllm_args(tmp_path, url.url, max_steps=5, max_staleness=1, rollout_heartbeat_timeout_s=3,
-                      rollout_vllm_retry_s=300)  # fmt: skip
+    args = _vllm_args(tmp_path, None, max_steps=5, max_staleness=1, rollout_heartbeat_timeout_s=3,
+                      rollout_vllm_retry_s=300, rollout_backend=None, rollout_vllm_urls=None, use_vllm=True,
+                      vllm_mode="server", vllm_server_base_url=url.url)  # fmt: skip
     trainer = AsyncGRPOTrainer(model=vllm_model_dir, reward_funcs=_reward, args=args, train_dataset=_dataset(),
                                callbacks=[KillAndRestart()])  # fmt: skip
     started = time.monotonic()

