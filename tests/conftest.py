@@ -12,6 +12,7 @@ torch.set_num_threads(1)
 import multiprocessing  # noqa: E402
 
 from datasets import Dataset  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 
 from trl_async import AsyncGRPOConfig  # noqa: E402
 
@@ -41,6 +42,18 @@ def letter_reward(prompts, completions, letter, **kwargs):
 
 def async_args(tmp_path, **overrides):
     return AsyncGRPOConfig(output_dir=str(tmp_path), **{**COMMON, "max_steps": 4, **overrides})
+
+
+class KeepPublished(TrainerCallback):
+    """The workers' last published weights (and version), read at the end of training, before the pool closes and
+    releases them. Set ``trainer`` after constructing the trainer with this callback."""
+
+    def __init__(self) -> None:
+        self.trainer, self.weights, self.version = None, None, None
+
+    def on_train_end(self, args, state, control, **kwargs):
+        shared = self.trainer.rollout_pool.backend.weights
+        self.weights, self.version = {n: t.clone() for n, t in shared.tensors.items()}, shared.version
 
 
 def trained_staleness(trainer):

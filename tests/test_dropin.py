@@ -21,6 +21,7 @@ from trl_async.records import RolloutGroup
 
 from .conftest import (
     COMMON,
+    KeepPublished,
     async_args,
     current_logps,
     loss_batch,
@@ -207,20 +208,23 @@ def test_peft_lora_workers_receive_merged_weights(tmp_path, tiny_model_dir, targ
     model_dir = str(save_tiny_model(tmp_path / "untied", tie_word_embeddings=False))
     # the merged path (adapter-only sync, the default where it applies, is tests/test_lora_sync.py)
     args = async_args(tmp_path, max_steps=3, rollout_verify_weights=True, learning_rate=5e-2, rollout_lora_sync="merged")
+    kept = KeepPublished()
     trainer = AsyncGRPOTrainer(
         model=model_dir,
         reward_funcs=length_reward,
         args=args,
         train_dataset=text_dataset(),
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False),
+        callbacks=[kept],
     )
+    kept.trainer = trainer
     trainer.train()
     pool = trainer.last_rollout_pool
     assert pool.verified_adoptions >= 2  # workers hashed exactly the merged weights the trainer published
     # the published tensors for the last version are the merged model: compare with peft's own merge
     merged = trainer.model.merge_and_unload()
     for name, tensor in merged.named_parameters():
-        torch.testing.assert_close(pool.backend.weights.tensors[name], tensor, rtol=0, atol=1e-6)
+        torch.testing.assert_close(kept.weights[name], tensor, rtol=0, atol=1e-6)
 
 
 def test_lora_on_an_embedding_tied_to_the_output_layer_is_refused(tmp_path, tiny_model_dir):

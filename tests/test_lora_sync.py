@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from tests.conftest import async_args, text_dataset
+from tests.conftest import KeepPublished, async_args, text_dataset
 from trl_async import AsyncGRPOTrainer
 from trl_async.sync.adapters import (
     SCALES,
@@ -155,6 +155,8 @@ class VersionedTrainer(AsyncGRPOTrainer):
         return super()._publish_weights(version)
 
 
+
+
 @pytest.mark.parametrize("sync", ["adapters", "merged"])
 def test_workers_sample_from_the_trainers_adapted_model_of_each_version(tmp_path, tiny_model_dir, sync):
     """Every token's mu equals a teacher-forced forward of the trainer's peft model (adapters applied unmerged, as
@@ -167,17 +169,19 @@ def test_workers_sample_from_the_trainers_adapted_model_of_each_version(tmp_path
     args = async_args(tmp_path, max_steps=4, temperature=temperature, learning_rate=5e-2, rollout_verify_weights=True,
                       rollout_trajectory_file="traj.jsonl", rollout_lora_sync=sync)  # fmt: skip
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
+    kept = KeepPublished()
     trainer = VersionedTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=text_dataset(),
-                               peft_config=lora)  # fmt: skip
+                               peft_config=lora, callbacks=[kept])  # fmt: skip
+    kept.trainer = trainer
     trainer.train()
     pool = trainer.last_rollout_pool
     backend = pool.backend
     assert pool.verified_adoptions >= 2  # workers hashed exactly what was published
     if sync == "adapters":  # each version: the adapters alone
-        assert backend.base is not None and all(".lora_" in n or n == SCALES for n in backend.weights.tensors)
-        assert len(backend.weights.tensors) == 2 * 2 * len(TARGETS) + 1
+        assert backend.base is not None and all(".lora_" in n or n == SCALES for n in kept.weights)
+        assert len(kept.weights) == 2 * 2 * len(TARGETS) + 1
     else:
-        assert backend.base is None and "model.embed_tokens.weight" in backend.weights.tensors
+        assert backend.base is None and "model.embed_tokens.weight" in kept.weights
 
     # an independent reference: peft's own (unmerged) forward on a fresh load, the adapters of each version set in
     # (not a copy of the trainer's model: accelerate bound its forward to the original)
@@ -212,18 +216,20 @@ def test_what_cannot_go_adapter_only_falls_back_to_merged_weights_and_says_why(t
     from trl_async.tiny import save_tiny_model
 
     model_dir = str(save_tiny_model(tmp_path / "untied", tie_word_embeddings=False))
+    kept = KeepPublished()
     with caplog.at_level(logging.WARNING):
         trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=length_reward, train_dataset=text_dataset(),
                                    args=async_args(tmp_path, max_steps=2, rollout_verify_weights=True),
                                    peft_config=LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"],
-                                                          init_lora_weights=False))  # fmt: skip
+                                                          init_lora_weights=False), callbacks=[kept])  # fmt: skip
+    kept.trainer = trainer
     assert "merged full weights instead, because 1 trainable parameters outside the adapters (lm_head" in caplog.text
     trainer.train()
     pool = trainer.last_rollout_pool
     assert pool.backend.base is None and pool.verified_adoptions >= 2
     merged = trainer.model.merge_and_unload()
     for name, tensor in merged.named_parameters():
-        torch.testing.assert_close(pool.backend.weights.tensors[name], tensor, rtol=0, atol=1e-6)
+        torch.testing.assert_close(kept.weights[name], tensor, rtol=0, atol=1e-6)
 
 
 def test_dora_is_refused_at_construction(tmp_path, tiny_model_dir):

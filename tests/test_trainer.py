@@ -18,6 +18,7 @@ from trl_async.precision import device_precision
 from trl_async.progress import AsyncProgressCallback
 
 from .conftest import (
+    KeepPublished,
     async_args,
     current_logps,
     letter_reward,
@@ -248,6 +249,23 @@ def test_interrupted_training_releases_workers_threads_and_shared_memory(tmp_pat
     assert leaked == {}  # shared-memory weights ("/dev/shm/torch_..."), pipes and sockets all closed
 
 
+def test_a_closed_pool_kept_for_its_counters_holds_no_copy_of_the_policy(tmp_path, tiny_model_dir):
+    """After train() the closed pool stays readable (``last_rollout_pool``: counters, versions), but the shared-memory
+    weights it published (twice the policy) are returned: no descriptor of a shared torch buffer stays open while the
+    trainer lives."""
+    fds_before = open_fds()
+    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=letter_reward, args=async_args(tmp_path, max_steps=2),
+                               train_dataset=text_dataset())  # fmt: skip
+    trainer.train()
+    gc.collect()
+    pool = trainer.last_rollout_pool
+    assert pool.backend.weights.version >= 1 and pool.dropped_groups >= 0  # still readable
+    kept = {fd: target for fd, target in open_fds().items() if fd not in fds_before and "torch_" in target}
+    assert kept == {}, kept
+    with pytest.raises(RuntimeError, match="released"):
+        _ = pool.backend.weights.tensors
+
+
 def test_a_worker_killed_during_training_is_restarted_and_training_completes(tmp_path, tiny_model_dir):
     killed = []
 
@@ -272,17 +290,18 @@ def test_a_worker_killed_during_training_is_restarted_and_training_completes(tmp
 
 def test_worker_weights_equal_the_trainer_weights_after_the_last_sync(tmp_path, tiny_model_dir):
     args = async_args(tmp_path, max_steps=3, max_staleness=1, rollout_verify_weights=True)
+    shared = KeepPublished()  # what every worker copies its weights from, as training ends
     trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=letter_reward, args=args,
-                               train_dataset=text_dataset())  # fmt: skip
+                               train_dataset=text_dataset(), callbacks=[shared])  # fmt: skip
+    shared.trainer = trainer
     initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     pool = trainer.last_rollout_pool
-    shared = pool.backend.weights  # what every worker copies its weights from
     assert shared.version == 3  # the last sync: after the last optimizer step
     final = dict(trainer.model.named_parameters())
-    assert set(shared.tensors) >= set(final)
+    assert set(shared.weights) >= set(final)
     for name, tensor in final.items():
-        assert torch.equal(shared.tensors[name], tensor.detach()), name
+        assert torch.equal(shared.weights[name], tensor.detach()), name
     assert any(not torch.equal(initial[n], t) for n, t in final.items())  # training moved the weights: a real check
     # and the workers' own copies: each adoption was hashed in the worker and matched the published set's hash
     assert pool.verified_adoptions >= 2 and max(pool.worker_versions.values()) >= 2

@@ -74,6 +74,19 @@ def main():
 
         callbacks.append(Stall())
         args.rollout_timeout_s = 15.0
+    from transformers import TrainerCallback
+
+    kept = {}
+
+    class KeepPublished(TrainerCallback):  # the workers' last weights, read before the pool closes and releases them
+        def on_train_end(self, args, state, control, **kwargs):
+            pool = trainer.rollout_pool
+            if pool is not None and hasattr(pool.backend, "weights"):
+                kept["weights"] = {n: t.clone() for n, t in pool.backend.weights.tensors.items()}
+                base = getattr(pool.backend, "base", None)
+                kept["base"] = {n: t.clone() for n, t in base.tensors.items()} if base is not None else None
+
+    callbacks.append(KeepPublished())
     reward_funcs = [reward, cli.reward_model] if cli.reward_model else reward
     trainer = AsyncGRPOTrainer(
         model=cli.model, reward_funcs=reward_funcs, args=args, train_dataset=ds, peft_config=peft_config,
@@ -107,13 +120,13 @@ def main():
             write_vllm_result(cli, trainer, reference, pool)
             trainer.accelerator.wait_for_everyone()
             return
-        published = pool.backend.weights.tensors
-        adapter_only = getattr(pool.backend, "base", None) is not None
+        published = kept["weights"]
+        adapter_only = kept["base"] is not None
         per_version = sorted(published)  # what each version after the first sends
         if adapter_only:  # LoRA: the frozen base (sent once) with the last version's adapters merged, as a worker does
             from trl_async.sync.adapters import merged_weights
 
-            published = merged_weights(pool.backend.specs[0].lora_merges, pool.backend.base.tensors, published)
+            published = merged_weights(pool.backend.specs[0].lora_merges, kept["base"], published)
         compared, mismatches = 0, []
         for name, tensor in published.items():
             if name in reference:

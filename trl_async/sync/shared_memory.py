@@ -95,7 +95,14 @@ class SharedMemoryWeights:
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
         """The newest complete set (for inspection; workers use ``pull_into``)."""
+        if not self.buffers:
+            raise RuntimeError("these shared weights were released (their pool is closed); read them before")
         return self.buffers[self._newest.value]
+
+    def release(self) -> None:
+        """Drop this process's hold on the shared buffers (once no worker uses them): their memory, twice the policy,
+        is returned as soon as nothing else refers to it. Versions and counters stay readable."""
+        self._flats, self.buffers = [], []
 
     @property
     def spare_tensors(self) -> dict[str, torch.Tensor]:

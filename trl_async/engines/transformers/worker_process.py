@@ -223,4 +223,8 @@ class ProcessBackend:
         self.weights.publish(buckets, version, digest, ready)
 
     def close(self) -> None:
-        pass
+        """After the workers have exited (the pool stops them first): the shared weights are released, so a closed
+        pool kept for its counters (``trainer.last_rollout_pool``) holds no copy of the policy."""
+        self.weights.release()
+        if self.base is not None:
+            self.base.release()
