@@ -157,8 +157,9 @@ def vllm_urls(trainer) -> list[str]:
     return [f"http://{args.vllm_server_host}:{args.vllm_server_port}"]
 
 
-def colocated_servers(trainer, model) -> list:
-    """vllm_mode='colocate': start a vLLM server on each of the trainer's GPU groups and wait for them."""
+def start_colocated_servers(trainer, model, servers: list) -> None:
+    """vllm_mode='colocate': start a vLLM server on each of the trainer's GPU groups, appended to ``servers`` as it
+    starts (the caller stops them if anything fails), and wait for them."""
     from .engines.vllm.colocate import ColocatedServer, colocated_flags, wait_for
 
     args, a = trainer.args, trainer.async_args
@@ -173,26 +174,20 @@ def colocated_servers(trainer, model) -> list:
     flags = colocated_flags(args.vllm_max_model_length, args.vllm_gpu_memory_utilization,
                             args.vllm_tensor_parallel_size, args.vllm_model_impl, dtype, on_gpu)  # fmt: skip
     flags += list(a.rollout_vllm_server_args or [])
-    servers = []
-    try:
-        for i, gpus in enumerate(groups):
-            log = Path(args.output_dir or ".") / f"vllm_colocate_{i}.log"
-            servers.append(ColocatedServer.start(name, "nccl" if on_gpu else "gloo", flags, gpus, log,
-                                                 a.rollout_vllm_python))  # fmt: skip
-            logger.warning("vllm_mode='colocate': started a vLLM server for %s on %s at %s (log: %s)", name,
-                           f"GPU {','.join(gpus)}" if gpus else "the CPU", servers[-1].url, log)  # fmt: skip
-        wait_for(servers, args.vllm_server_timeout)
-    except BaseException:
-        for server in servers:
-            server.stop()
-        raise
-    return servers
+    for i, gpus in enumerate(groups):
+        log = Path(args.output_dir or ".") / f"vllm_colocate_{i}.log"
+        servers.append(ColocatedServer.start(name, "nccl" if on_gpu else "gloo", flags, gpus, log,
+                                             a.rollout_vllm_python))  # fmt: skip
+        logger.warning("vllm_mode='colocate': started a vLLM server for %s on %s at %s (log: %s)", name,
+                       f"GPU {','.join(gpus)}" if gpus else "the CPU", servers[-1].url, log)  # fmt: skip
+    wait_for(servers, args.vllm_server_timeout)
 
 
 def vllm_backend(trainer, model):
-    a = trainer.async_args
-    owned = colocated_servers(trainer, model) if a.vllm_colocate else []
+    owned: list = []  # colocated servers: the backend owns them once it exists, until then this does
     try:
+        if trainer.async_args.vllm_colocate:
+            start_colocated_servers(trainer, model, owned)
         return _vllm_backend(trainer, model, [s.url for s in owned] or vllm_urls(trainer), owned)
     except BaseException:
         for server in owned:
