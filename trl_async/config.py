@@ -20,6 +20,7 @@ from .cores import allowed_cores, parse_cpu_list, split_cores
 from .engine_choice import rollout_engine
 from .generation_modes import refused_generation_kwargs
 from .precision import NativePrecision
+from .sampling import SAMPLER_FIELDS, refused_sampling
 
 ROLLOUT_BACKENDS = ("transformers", "vllm")
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
@@ -373,6 +374,12 @@ class AsyncFields:
                 "sequence and a 'seq_*' weight would count once per token",
             )
 
+        sampler_fields = {name: getattr(self, name, None) for name in SAMPLER_FIELDS}
+        refused = refused_sampling(self.rollout_backend, sampler_fields, getattr(self, "generation_kwargs", None),
+                                   self.off_policy_correction != "none" or self.off_policy_bypass,
+                                   self.off_policy_bypass)  # fmt: skip
+        if refused is not None:
+            need(False, *refused)
         if self.rollout_backend == "transformers":
             refused = refused_generation_kwargs(
                 getattr(self, "generation_kwargs", None) or {}, getattr(self, "top_k", None)

@@ -26,6 +26,7 @@ from .rollout.prompts import PromptStream
 from .rollout.scored import ScoredGroup
 from .rollout.scoring import RewardScorer, decode_completions
 from .rollout.tool_calls import ToolRunner, split_tools
+from .sampling import SamplingSettings, settings_of
 from .sync.adapters import adapter_tensors
 from .sync.policy import policy_specs
 
@@ -195,11 +196,9 @@ def vllm_backend(trainer, model):
         raise
 
 
-def _vllm_backend(trainer, model, urls: list[str], owned: list):
-    from .engines.vllm.backend import AdapterPlan, VLLMBackend, VLLMLaneSpec
-
-    args, a = trainer.args, trainer.async_args
-    sampling = {
+def vllm_sampling_params(trainer) -> dict:
+    """The sampling parameters of every vLLM request: GRPOTrainer's settings, then ``generation_kwargs``."""
+    return {
         "n": trainer.num_generations,
         "temperature": trainer.temperature,
         "top_p": trainer.top_p,
@@ -210,8 +209,23 @@ def _vllm_backend(trainer, model, urls: list[str], owned: list):
         "stop_token_ids": list(trainer.eos_token_ids),
         "logprobs": 0,
         "detokenize": False,
-        **(args.generation_kwargs or {}),
+        **(trainer.args.generation_kwargs or {}),
     }
+
+
+def rollout_sampling(trainer) -> SamplingSettings:
+    """What the rollout engine applies to the logits before sampling: the vLLM requests' parameters, or the
+    transformers workers' GenerationConfig (GRPOTrainer's, with ``generation_kwargs``)."""
+    if trainer.async_args.rollout_backend == "vllm":
+        return settings_of("vllm", vllm_sampling_params(trainer))
+    return settings_of("transformers", trainer.generation_config.to_dict())
+
+
+def _vllm_backend(trainer, model, urls: list[str], owned: list):
+    from .engines.vllm.backend import AdapterPlan, VLLMBackend, VLLMLaneSpec
+
+    args, a = trainer.args, trainer.async_args
+    sampling = vllm_sampling_params(trainer)
     specs = [
         VLLMLaneSpec(
             worker_id=i,

@@ -31,7 +31,7 @@ from .correction import off_policy_correction, stats_across_ranks
 from .engine_choice import settle_rollout_device
 from .engines.transformers.worker_process import prestart_worker_server
 from .engines.vllm.colocate import trainer_gpu_groups
-from .pool_setup import start_pool
+from .pool_setup import rollout_sampling, start_pool
 from .progress import AsyncProgressCallback, batch_metrics
 from .records import RolloutGroup
 from .rollout.custom_rollouts import RolloutFuncRunner, generate_with_trainer_model, replayed_output
@@ -39,6 +39,7 @@ from .rollout.pool import RolloutPool
 from .rollout.scored import ScoredGroup
 from .rollout.scoring import RewardScorer, unsharded_reward_models
 from .rollout.tool_calls import ToolRunner
+from .sampling import proximal_logps
 from .setup_checks import (
     adapter_only_sync,
     agreed_adapter_sync,
@@ -130,6 +131,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             if self.async_args.vllm_colocate else None
         )  # fmt: skip
         check_after_loading(self)
+        self._sampling = rollout_sampling(self)  # what the engines apply to the logits: the ratio applies it too
         self._adapter_sync = adapter_only_sync(self)  # LoRA: workers get the base once, then only the adapters
         self._base_pending = False
         # under ZeRO-3 a collective: every rank gathers each sharded reward model, the main process keeps a copy
@@ -467,12 +469,14 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 tool_mask = output.get("tool_mask")
                 output["tool_mask"] = keep if tool_mask is None else tool_mask * keep
                 output["sampling_per_token_logps"] = prox
-        elif output.get("old_per_token_logps") is not None:  # GRPOTrainer already computed it (same weights)
+        elif output.get("old_per_token_logps") is not None and not self._sampling.reshapes:  # same weights
             prox = output["old_per_token_logps"]
-        elif self._steps_per_batch == 1:
+        elif self._correction_from_loss_forward():
             return  # pi_prox comes from the loss's forward pass (see _compute_loss)
         else:
-            prox = self._proximal_logps(output)
+            output["old_per_token_logps"], processed = self._proximal_logps(output)
+            output["importance_sampling_ratio"] = self._staleness_weights(processed, behaviour, mask)
+            return
         output["old_per_token_logps"] = prox
         output["importance_sampling_ratio"] = self._staleness_weights(prox, behaviour, mask)
 
@@ -494,19 +498,22 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self._metrics["train"][f"is/{name}"].append(value)
         return correction.weights_BT
 
-    def _proximal_logps(self, output: dict) -> torch.Tensor:
-        """log pi_prox of the completion tokens under the trainer's current weights (GRPOTrainer's own forward)."""
+    def _proximal_logps(self, output: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(log pi_prox, log pi_prox processed)`` of the completion tokens under the trainer's current weights: the
+        softmax at the sampling temperature (``old_per_token_logps``), and the distribution the rollout engine
+        samples from (``sampling.py``), which the staleness weight compares with mu. Without truncation or penalty
+        the two are the same, from GRPOTrainer's own forward."""
         prompt_completion_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        batch_size = self.args.per_device_train_batch_size
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            if self._sampling.reshapes:
+                return proximal_logps(self.model, prompt_completion_ids, attention_mask, output["prompt_ids"].size(1),
+                                      self._sampling, batch_size, self.accelerator.autocast)  # fmt: skip
             logps, _ = self._get_per_token_logps_and_entropies(
-                self.model,
-                prompt_completion_ids,
-                attention_mask,
-                output["completion_ids"].size(1),
-                batch_size=self.args.per_device_train_batch_size,
+                self.model, prompt_completion_ids, attention_mask, output["completion_ids"].size(1), batch_size
             )[:2]
-        return logps
+        return logps, logps
 
     def _compute_loss(self, model, inputs):
         # GRPOTrainer multiplies `importance_sampling_ratio` into the per-token loss only when
@@ -548,4 +555,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     def _correction_from_loss_forward(self) -> bool:
         a = self.async_args
-        return self._steps_per_batch == 1 and a.off_policy_correction != "none" and not a.off_policy_bypass
+        return (
+            self._steps_per_batch == 1 and a.off_policy_correction != "none" and not a.off_policy_bypass
+            and not self._sampling.reshapes  # the weight needs the processed distribution: logits, not log-probs
+        )  # fmt: skip

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ...records import RolloutGroup, RolloutTask, WeightsAdopted, WorkerFailed, WorkerReady
+from ...sampling import processors, settings_of
 from ...sync.adapters import LoraMerge, merge_adapters
 from ...sync.shared_memory import SharedMemoryWeights, weights_digest
 
@@ -51,25 +52,24 @@ class WorkerSpec:
     lora_merges: tuple[LoraMerge, ...] = ()
 
 
-WARPER_FIELDS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
-NEUTRAL_WARPERS = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=None, typical_p=1.0, epsilon_cutoff=0.0,
-                       eta_cutoff=0.0, top_h=None)  # fmt: skip
+NEUTRAL_SAMPLING = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=None, typical_p=1.0, epsilon_cutoff=0.0,
+                        eta_cutoff=0.0, top_h=None, repetition_penalty=1.0)  # fmt: skip
 
 
-def split_sampling_warpers(model: torch.nn.Module, config: Any) -> tuple[Any, Any]:
-    """``(config without warpers, the warpers)``: the same sampling distribution, with the warpers (temperature,
-    top-k/p, min-p, ...) moved out of ``generate`` so the decode hook can apply them itself and see the final,
-    sampled-from scores. ``generate`` applies custom processors before its warpers, so this keeps the order."""
-    from transformers import GenerationConfig, LogitsProcessorList
+def split_sampling_warpers(config: Any, device: torch.device | str = "cpu") -> tuple[Any, Any]:
+    """``(config without the sampling settings, their processors)``: the same sampling distribution, with the
+    repetition penalty and the warpers (temperature, top-k/p, min-p, ...) moved out of ``generate`` so the decode
+    hook applies them itself, as the trainer rebuilds them (``sampling.processors``), and sees the final, sampled-from
+    scores. ``generate`` applies its remaining processors first, as it would have."""
+    from transformers import LogitsProcessorList
 
     if not config.do_sample:
         return config, LogitsProcessorList()
-    only_warpers = GenerationConfig(do_sample=True, **{f: getattr(config, f, None) for f in WARPER_FIELDS})
-    warpers = model._get_logits_processor(generation_config=only_warpers, logits_processor=LogitsProcessorList())
+    chain = processors(settings_of("transformers", config.to_dict()), device)
     stripped = copy.deepcopy(config)
-    for name, value in NEUTRAL_WARPERS.items():
+    for name, value in NEUTRAL_SAMPLING.items():
         setattr(stripped, name, value)
-    return stripped, warpers
+    return stripped, chain
 
 
 class _DecodeStepHook:
@@ -79,8 +79,15 @@ class _DecodeStepHook:
     full-vocabulary score tensor per step. In in-flight mode it adopts newer weights afterwards, so the next step
     uses them."""
 
-    def __init__(self, warpers, current_version: Callable[[], int], between_steps: Callable[[], None] | None) -> None:
+    def __init__(
+        self,
+        warpers,
+        current_version: Callable[[], int],
+        between_steps: Callable[[], None] | None,
+        padding: torch.Tensor | None = None,
+    ) -> None:
         self.warpers = warpers
+        self.padding = padding  # (rows, prompt width) bool: the left padding, which no row has seen
         self.current_version = current_version
         self.between_steps = between_steps
         self.step_versions: list[int] = []
@@ -95,6 +102,10 @@ class _DecodeStepHook:
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         self.take_sampled(input_ids[:, -1])  # the previous step's token is now the last input
+        if self.padding is not None and self.padding.any():  # an id past the vocabulary: the penalty skips it
+            input_ids = input_ids.clone()
+            width = self.padding.size(1)
+            input_ids[:, :width] = input_ids[:, :width].masked_fill(self.padding, scores.size(-1))
         scores = self.warpers(input_ids, scores)
         self._pending = torch.log_softmax(scores.float(), dim=-1)
         self.step_versions.append(self.current_version())
@@ -139,13 +150,14 @@ def generate_groups(
     # as with GRPOTrainer's own generation), and the weights stay those of the call's start (beams are reordered
     # between steps, so no per-step record or in-flight update applies)
     beams = getattr(generation_config, "num_beams", 1) or 1
-    config, warpers = split_sampling_warpers(model, generation_config) if beams == 1 else (generation_config, None)
+    config, warpers = split_sampling_warpers(generation_config, device) if beams == 1 else (generation_config, None)
     config = copy.deepcopy(config)
     if all(b is not None for b in budgets):
         config.max_new_tokens = max(budgets)  # each row is cut to its own budget below
     config.output_scores = False  # full-vocabulary scores per step: T x N x V floats (GBs at a 152k vocabulary)
     config.return_dict_in_generate = False
-    hook = _DecodeStepHook(warpers, current_version, between_steps) if beams == 1 else None
+    padding = (attention_mask == 0).to(device)
+    hook = _DecodeStepHook(warpers, current_version, between_steps, padding) if beams == 1 else None
     version_at_start = current_version()
     started_at, start = time.time(), time.perf_counter()
     with torch.no_grad():
@@ -214,7 +226,7 @@ def build_policy_copy(spec: WorkerSpec) -> torch.nn.Module:
     # from config.use_cache: without this, every decode step re-runs the whole sequence (9x slower measured at 32
     # tokens, growing with length)
     model.generation_config.use_cache = True
-    for name in WARPER_FIELDS:  # sampling comes from the trainer's config alone; nothing refilled behind the hook
+    for name in NEUTRAL_SAMPLING:  # sampling comes from the trainer's config alone; nothing refilled behind the hook
         setattr(model.generation_config, name, None)
     model = model.to(device=spec.device).eval()
     # parameters in the rollout dtype; buffers (RoPE frequencies) stay as built, as the trainer keeps them: rounding
