@@ -11,6 +11,7 @@ from trl_async.sampling import (
     context_ids,
     processed_logps,
     processors,
+    sampled_before,
     settings_of,
     unreproduced_settings,
 )
@@ -63,6 +64,23 @@ def test_the_repetition_penalty_sees_the_prompt_and_the_earlier_completion_token
     chain = processors(SamplingSettings(engine="vllm", repetition_penalty=2.0))
     got = processed_logps(LOGITS.expand(2, 3), torch.tensor([1]), torch.tensor([0, 0]), chain)
     assert got.tolist() == pytest.approx([math.log(0.5 / 0.79), math.log(0.25 / 0.54)], abs=1e-6)
+
+
+def test_min_new_tokens_holds_the_stop_token_back_in_each_turn():
+    """Stop token 0 (p 0.5) held back before 2 generated tokens: token 1 then has 0.3 / 0.5. In a second turn (after a
+    tool-result token, not sampled) the count starts again."""
+    settings = SamplingSettings(engine="transformers", min_new_tokens=2, stop_ids=(0,))
+    chain = processors(settings)
+    got = processed_logps(LOGITS.expand(3, 3), torch.tensor([2]), torch.tensor([1, 1, 0]), chain, settings)
+    assert got.tolist() == pytest.approx([math.log(0.6), math.log(0.6), math.log(0.5)])
+    assert sampled_before(torch.tensor([1, 1, 0, 1, 1, 1])).tolist() == [0, 1, 0, 0, 1, 2]
+    # turn 1: (1); a tool token (2); turn 2: (1, 1, 0), whose counts are 0, 1, 2: the stop token only at the last
+    turns = processed_logps(LOGITS.expand(5, 3), torch.tensor([2]), torch.tensor([1, 2, 1, 1, 0]), chain, settings,
+                            torch.tensor([1, 0, 1, 1, 1]))  # fmt: skip
+    assert [turns[i].item() for i in (0, 2, 3, 4)] == pytest.approx([math.log(0.6)] * 3 + [math.log(0.5)])
+    hf = settings_of("transformers", {"min_new_tokens": 3, "eos_token_id": [5, 6]})
+    assert (hf.min_new_tokens, hf.stop_ids, hf.reshapes) == (3, (5, 6), True)
+    assert settings_of("vllm", {"min_tokens": 2, "stop_token_ids": [4]}).stop_ids == (4,)
 
 
 def test_context_rows_hold_what_each_step_had_seen_and_an_id_past_the_vocabulary_elsewhere():

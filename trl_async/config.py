@@ -374,12 +374,6 @@ class AsyncFields:
                 "sequence and a 'seq_*' weight would count once per token",
             )
 
-        sampler_fields = {name: getattr(self, name, None) for name in SAMPLER_FIELDS}
-        refused = refused_sampling(self.rollout_backend, sampler_fields, getattr(self, "generation_kwargs", None),
-                                   self.off_policy_correction != "none" or self.off_policy_bypass,
-                                   self.off_policy_bypass)  # fmt: skip
-        if refused is not None:
-            need(False, *refused)
         if self.rollout_backend == "transformers":
             refused = refused_generation_kwargs(
                 getattr(self, "generation_kwargs", None) or {}, getattr(self, "top_k", None)
@@ -393,6 +387,12 @@ class AsyncFields:
             "set num_generations",
         )
         beams = (getattr(self, "generation_kwargs", None) or {}).get("num_beams") or 1
+        sampler_fields = {name: getattr(self, name, None) for name in SAMPLER_FIELDS}
+        refused = refused_sampling(self.rollout_backend, sampler_fields, getattr(self, "generation_kwargs", None),
+                                   self.off_policy_correction != "none" or self.off_policy_bypass,
+                                   self.off_policy_bypass)  # fmt: skip
+        if refused is not None and beams == 1:  # beam tokens have no mu, so no ratio (beams are refused otherwise)
+            need(False, *refused)
         need(
             beams == 1 or not self.off_policy_bypass,
             "off_policy_bypass",

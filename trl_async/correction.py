@@ -1,7 +1,10 @@
 """Off-policy correction: importance weights for stale samples, as pure tensor functions (no trainer state).
 
-Notation (DESIGN.md): mu = behaviour policy (the rollout worker's sampling distribution, logged per token); pi_prox =
-the trainer's policy when the batch is consumed (one extra forward pass, or mu itself in bypass mode); rho = pi_prox/mu.
+Notation: mu = behaviour policy (the distribution the rollout engine sampled each token from, logged per token);
+pi_prox = the trainer's policy when the batch is consumed, processed the way the engine processes its logits (the
+repetition penalty, temperature, top-k/top-p/min-p; ``sampling.py``), or mu itself in bypass mode; rho = pi_prox/mu.
+So at staleness 0 rho is 1 whatever the sampler, and a token the proximal policy's own truncation would not sample
+gets rho = 0.
 Every mode uses the *decoupled* structure of AReaL (Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement
 Learning System for Language Reasoning", eq. 5): GRPOTrainer's clipped ratio is taken against pi_prox
 (``old_per_token_logps``), so its trust region is about the update, and a staleness weight w = f(rho) multiplies the
@@ -21,14 +24,11 @@ masks it anyway), all-masked rows get a sequence ratio of 1, and no function ret
 whose mu is NaN (a backend returned no log-prob) gets rho = 1, as GRPOTrainer does, and is counted (``behaviour_nan``);
 it is left out of a sequence's geometric mean and of ``kl_behaviour``.
 
-Three things these weights are not:
+Two things these weights are not:
 - The sequence modes' geometric mean is a length-normalised heuristic, not an unbiased IS weight: E_mu[rho_seq] is
   not 1 in general (for a fixed length T > 1 it is at most 1, by Jensen's inequality; where the length depends on
   the tokens, as at an EOS, it can be either side of 1). It keeps long sequences' weights from exploding (the product
   of T ratios does); with the default band it seldom binds.
-- mu is the distribution the worker actually sampled from, after temperature, top-k/top-p/min-p and repetition
-  penalty (as TRL's vLLM path logs it), while pi_prox is the trainer's full softmax at that temperature. With such
-  warpers set, rho differs from 1 even at staleness 0, and the ``mask`` band can drop tokens for that alone.
 - The KL penalty (``beta`` > 0) is not reweighted: it is computed on the stale samples as if on-policy, as
   GRPOTrainer computes it on vLLM's samples.
 """

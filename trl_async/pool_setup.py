@@ -218,7 +218,10 @@ def rollout_sampling(trainer) -> SamplingSettings:
     transformers workers' GenerationConfig (GRPOTrainer's, with ``generation_kwargs``)."""
     if trainer.async_args.rollout_backend == "vllm":
         return settings_of("vllm", vllm_sampling_params(trainer))
-    return settings_of("transformers", trainer.generation_config.to_dict())
+    config = trainer.generation_config
+    if not config.do_sample:  # greedy: generate applies its processors (the penalty), no temperature or warpers
+        return SamplingSettings(engine="transformers", repetition_penalty=config.repetition_penalty or 1.0)
+    return settings_of("transformers", config.to_dict())
 
 
 def _vllm_backend(trainer, model, urls: list[str], owned: list):

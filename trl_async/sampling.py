@@ -34,12 +34,12 @@ EXTRA_TRANSFORMERS_WARPERS = ("typical_p", "epsilon_cutoff", "eta_cutoff", "top_
 UNREPRODUCED = {
     "transformers": (
         "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "suppress_tokens",
-        "begin_suppress_tokens", "min_length", "min_new_tokens", "forced_bos_token_id", "forced_eos_token_id",
+        "begin_suppress_tokens", "min_length", "forced_bos_token_id", "forced_eos_token_id",
         "exponential_decay_length_penalty", "encoder_repetition_penalty", "diversity_penalty", "guidance_scale",
         "watermarking_config", "forced_decoder_ids", "logits_processor",
     ),
     "vllm": (
-        "presence_penalty", "frequency_penalty", "logit_bias", "bad_words", "allowed_token_ids", "min_tokens",
+        "presence_penalty", "frequency_penalty", "logit_bias", "bad_words", "allowed_token_ids",
         "logits_processors", "structured_outputs", "guided_decoding", *EXTRA_TRANSFORMERS_WARPERS,
     ),
 }  # fmt: skip
@@ -56,13 +56,15 @@ class SamplingSettings:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     extra_warpers: tuple[tuple[str, float], ...] = ()  # transformers engine only: EXTRA_TRANSFORMERS_WARPERS set
+    min_new_tokens: int = 0  # transformers' min_new_tokens, vLLM's min_tokens: no stop token before this many
+    stop_ids: tuple[int, ...] = ()  # the tokens min_new_tokens holds back (EOS ids)
 
     @property
     def reshapes(self) -> bool:
         """Whether the processed distribution differs from ``softmax(logits / temperature)``."""
         return (
             self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0 or self.repetition_penalty != 1.0
-            or bool(self.extra_warpers)
+            or bool(self.extra_warpers) or self.min_new_tokens > 0
         )  # fmt: skip
 
 
@@ -87,7 +89,15 @@ def settings_of(engine: str, params: Mapping) -> SamplingSettings:
         min_p=float(_number(params.get("min_p"), 0.0)),
         repetition_penalty=float(_number(params.get("repetition_penalty"), 1.0)),
         extra_warpers=extra,
+        min_new_tokens=int(_number(params.get("min_new_tokens" if engine == "transformers" else "min_tokens"), 0)),
+        stop_ids=_ids(params.get("eos_token_id" if engine == "transformers" else "stop_token_ids")),
     )
+
+
+def _ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
 
 
 def processors(settings: SamplingSettings, device: torch.device | str = "cpu"):
@@ -138,15 +148,40 @@ def context_ids(prompt_ids: torch.Tensor, completion_ids: torch.Tensor, vocab_si
     return torch.cat([prompt_ids.view(1, -1).cpu().expand(steps, -1), seen], dim=1)
 
 
+def sampled_before(sampled_T: torch.Tensor) -> torch.Tensor:
+    """For each position, how many tokens the engine had generated in the current turn: the sampled tokens
+    (``sampled_T``: 1 sampled, 0 a tool result inserted between turns) since the last inserted one. Each turn is its
+    own request to the engine, so its ``min_new_tokens`` counts from there."""
+    counts, run = [], 0
+    for sampled in sampled_T.tolist():
+        counts.append(run if sampled else 0)
+        run = run + 1 if sampled else 0
+    return torch.tensor(counts, dtype=torch.long)
+
+
 def processed_logps(
-    logits_TV: torch.Tensor, prompt_ids: torch.Tensor, completion_ids: torch.Tensor, chain
+    logits_TV: torch.Tensor,
+    prompt_ids: torch.Tensor,
+    completion_ids: torch.Tensor,
+    chain,
+    settings: SamplingSettings | None = None,
+    sampled_T: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """log-prob of each completion token under the processed distribution, shape ``(T,)``; ``-inf`` for a token the
     truncation removes. ``logits_TV`` are the raw logits that predicted each token (no temperature applied),
-    ``prompt_ids`` the unpadded prompt (a multi-turn row: everything before its first completion token)."""
+    ``prompt_ids`` the unpadded prompt (a multi-turn row: everything before its first completion token);
+    ``settings.min_new_tokens`` holds the stop tokens back where fewer tokens of the turn were generated
+    (``sampled_T`` marks the sampled tokens; all of them by default)."""
     vocab = logits_TV.size(-1)
     history = context_ids(prompt_ids, completion_ids, vocab).to(logits_TV.device)
-    scores = chain(history, logits_TV.float())
+    logits_TV = logits_TV.float()
+    if settings is not None and settings.min_new_tokens > 0 and settings.stop_ids:
+        sampled = torch.ones(completion_ids.numel()) if sampled_T is None else sampled_T
+        early = (sampled_before(sampled) < settings.min_new_tokens).to(logits_TV.device)
+        stop = torch.zeros(vocab, dtype=torch.bool, device=logits_TV.device)
+        stop[[i for i in settings.stop_ids if i < vocab]] = True
+        logits_TV = logits_TV.masked_fill(early.unsqueeze(1) & stop.unsqueeze(0), -torch.inf)
+    scores = chain(history, logits_TV)
     return torch.log_softmax(scores, dim=-1).gather(-1, completion_ids.view(-1, 1).to(logits_TV.device)).squeeze(-1)
 
 
@@ -155,11 +190,13 @@ def unreproduced_settings(engine: str, generation_kwargs: Mapping | None) -> lis
     return [key for key in (generation_kwargs or {}) if key in UNREPRODUCED[engine]]
 
 
-def proximal_logps(model, input_ids, attention_mask, prompt_width: int, settings: SamplingSettings, batch_size: int,
-                   autocast) -> tuple[torch.Tensor, torch.Tensor]:
+def proximal_logps(model, input_ids, attention_mask, prompt_width: int, settings: SamplingSettings,
+                   temperature: float, batch_size: int, autocast,
+                   sampled: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log pi, log pi processed)`` of the completion tokens (``input_ids[:, prompt_width:]``) under ``model``, in
-    chunks of ``batch_size`` rows: the softmax at the sampling temperature, as GRPOTrainer's loss computes it, and
-    the distribution the engine samples from (``processed_logps``). One forward pass serves both."""  # fmt: skip
+    chunks of ``batch_size`` rows: the softmax at ``temperature``, as GRPOTrainer's loss computes it, and the
+    distribution the engine samples from (``processed_logps``; ``sampled``: GRPOTrainer's ``tool_mask``, 1 where
+    the engine sampled the token). One forward pass serves both."""  # fmt: skip
     steps = input_ids.size(1) - prompt_width
     chain = processors(settings, input_ids.device)
     full, processed = [], []
@@ -169,10 +206,11 @@ def proximal_logps(model, input_ids, attention_mask, prompt_width: int, settings
             logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=steps + 1, use_cache=False).logits
         logits = logits[:, -steps - 1 : -1].float()  # the logits that predicted each completion token
         completion = ids[:, prompt_width:]
-        full.append(torch.log_softmax(logits / settings.temperature, -1).gather(-1, completion.unsqueeze(-1))[..., 0])
+        full.append(torch.log_softmax(logits / temperature, -1).gather(-1, completion.unsqueeze(-1))[..., 0])
         for row in range(ids.size(0)):
             prompt = ids[row, :prompt_width][mask[row, :prompt_width].bool()]
-            processed.append(processed_logps(logits[row], prompt, completion[row], chain))
+            marks = None if sampled is None else sampled[start + row].cpu()
+            processed.append(processed_logps(logits[row], prompt, completion[row], chain, settings, marks))
     return torch.cat(full), torch.stack(processed)
 
 

@@ -509,7 +509,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             if self._sampling.reshapes:
                 return proximal_logps(self.model, prompt_completion_ids, attention_mask, output["prompt_ids"].size(1),
-                                      self._sampling, batch_size, self.accelerator.autocast)  # fmt: skip
+                                      self._sampling, self.temperature, batch_size, self.accelerator.autocast,
+                                      output.get("tool_mask"))  # fmt: skip
             logps, _ = self._get_per_token_logps_and_entropies(
                 self.model, prompt_completion_ids, attention_mask, output["completion_ids"].size(1), batch_size
             )[:2]
