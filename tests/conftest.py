@@ -73,8 +73,8 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.integration)
         if item.module.__name__.endswith("test_distributed"):
             item.add_marker(pytest.mark.distributed)
-        if {"vllm_server", "vllm_tool_server", "vllm_server_to_kill", "vllm_server_to_restart",
-            "vllm_lone_server"} & set(getattr(item, "fixturenames", ())):  # fmt: skip
+        if {"vllm_server", "vllm_tool_server", "vllm_server_to_kill", "vllm_server_to_restart", "vllm_lone_server",
+            "vllm_server_to_heal", "vllm_pair_to_heal"} & set(getattr(item, "fixturenames", ())):  # fmt: skip
             item.add_marker(pytest.mark.vllm)
     # the vLLM tests last (stable order otherwise): `.ci/run` installs the vLLM environment in the background while
     # the others run, so the first vLLM server rarely waits for it
@@ -148,6 +148,23 @@ def vllm_lone_server(request):
     server = _prepared(request, "vllm_lone_server")
     yield server
     server.stop()
+
+
+@pytest.fixture
+def vllm_server_to_heal(request):
+    """A server of its own, killed and restarted at chosen moments (tests/test_vllm_self_healing.py)."""
+    server = _prepared(request, "vllm_server_to_heal")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def vllm_pair_to_heal(request):
+    """Two servers of their own, each killed and restarted once (tests/test_vllm_self_healing.py)."""
+    pair = (_prepared(request, "vllm_pair_to_heal_a"), _prepared(request, "vllm_pair_to_heal_b"))
+    yield pair
+    for server in pair:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ and lost workers (killed, stopped) restarted with their groups generated again."
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -377,16 +378,12 @@ def _never_reads(seconds):
     time.sleep(seconds)
 
 
-def test_stopping_a_worker_whose_task_pipe_is_full_kills_it_instead_of_blocking_on_the_pipe():
-    """The dispatcher registers a chunk, then pipes it; a chunk larger than the pipe's buffer blocks until the worker
-    reads. A worker that never reads again (itself blocked sending a large result nobody drains) must still be
-    stopped: stop() may not first pipe its own exit request, which would block behind the chunk forever."""
-    import multiprocessing
-
+def _never_reading_worker(ctx):
+    """A WorkerProcess over a real process that reads nothing from its task pipe (hung), and a chunk that cannot fit
+    in the pipe's buffer."""
     from trl_async.engines.transformers.worker_process import WorkerProcess
     from trl_async.records import RolloutTask
 
-    ctx = multiprocessing.get_context("fork")
     task_recv, task_send = ctx.Pipe(duplex=False)
     result_recv, result_send = ctx.Pipe(duplex=False)
     process = ctx.Process(target=_never_reads, args=(60,), daemon=True)
@@ -396,24 +393,77 @@ def test_stopping_a_worker_whose_task_pipe_is_full_kills_it_instead_of_blocking_
     task = RolloutTask(group_id=0, prompt_index=0, prompt_ids=(1,) * 300_000, admitted_at_version=0)
     worker = WorkerProcess(None, process, task_send, result_recv, ctx.Value("d", time.time()))
     worker.outstanding[(0, 0)] = task
+    return worker, task
 
-    def transmit():
-        try:
-            worker.transmit([task])
-        except OSError:  # the worker was killed mid-send
-            pass
 
-    dispatcher = threading.Thread(target=transmit, daemon=True)
-    dispatcher.start()
-    dispatcher.join(1.0)
-    assert dispatcher.is_alive(), "the chunk fitted in the pipe: the test needs one that blocks"
+def _sender_of(worker):
+    return next(t for t in threading.enumerate() if t.name == f"trl_async-send-{worker.process.pid}")
+
+
+def test_a_worker_that_reads_nothing_never_holds_up_the_dispatcher():
+    """The pool's one dispatcher hands chunks to every worker. A chunk larger than the pipe's buffer waits until the
+    worker reads it, and a hung worker reads nothing until the health check kills it: handing it the chunk must
+    return at once (its own sender thread waits), or every other worker would get no work meanwhile."""
+    import multiprocessing
+
+    worker, task = _never_reading_worker(multiprocessing.get_context("fork"))
+    try:
+        dispatcher = threading.Thread(target=worker.transmit, args=([task],), daemon=True)
+        dispatcher.start()
+        dispatcher.join(10.0)
+        assert not dispatcher.is_alive(), "transmit blocked on the hung worker's full pipe"
+        time.sleep(0.5)
+        assert _sender_of(worker).is_alive(), "the chunk fitted in the pipe: the test needs one that blocks"
+    finally:
+        worker.kill()
+
+
+def test_chunks_reach_the_worker_in_order_then_the_exit_request():
+    import multiprocessing
+
+    from trl_async.engines.transformers.worker_process import WorkerProcess
+    from trl_async.records import RolloutTask
+
+    ctx = multiprocessing.get_context("fork")
+    task_recv, task_send = ctx.Pipe(duplex=False)
+    result_recv, result_send = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=_echo_group_ids, args=(task_recv, result_send), daemon=True)
+    process.start()
+    task_recv.close()
+    result_send.close()
+    worker = WorkerProcess(None, process, task_send, result_recv, ctx.Value("d", time.time()))
+    for i in range(5):
+        worker.transmit([RolloutTask(group_id=i, prompt_index=i, prompt_ids=(1,) * (100_000 if i == 2 else 3),
+                                     admitted_at_version=0)])  # fmt: skip
+    worker.stop(30.0)  # asks it to exit after what it was handed
+    assert process.exitcode == 0
+
+
+def _echo_group_ids(tasks, results):
+    seen = []
+    while (chunk := tasks.recv()) is not None:
+        seen.extend(task.group_id for task in chunk)
+    sys.exit(0 if seen == [0, 1, 2, 3, 4] else 1)
+
+
+def test_stopping_a_worker_whose_task_pipe_is_full_kills_it_instead_of_blocking_on_the_pipe():
+    """A worker that never reads again (itself blocked sending a large result nobody drains) must still be stopped:
+    stop() may not wait for its own exit request, which would queue behind the chunk forever; and the sender thread
+    blocked on the full pipe ends when the worker is killed."""
+    import multiprocessing
+
+    worker, task = _never_reading_worker(multiprocessing.get_context("fork"))
+    worker.transmit([task])
+    time.sleep(0.5)
+    sender = _sender_of(worker)
+    assert sender.is_alive(), "the chunk fitted in the pipe: the test needs one that blocks"
     stopping = threading.Thread(target=worker.stop, args=(0.0,), daemon=True)
     stopping.start()
     stopping.join(5.0)
     alive = stopping.is_alive()
     if alive:  # free the blocked threads before failing
-        process.kill()
+        worker.process.kill()
     assert not alive, "stop() blocked on the full task pipe"
-    assert not process.is_alive()
-    dispatcher.join(5.0)
-    assert not dispatcher.is_alive(), "the blocked transmit did not end when the worker was killed"
+    assert not worker.process.is_alive()
+    sender.join(5.0)
+    assert not sender.is_alive(), "the blocked send did not end when the worker was killed"

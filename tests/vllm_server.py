@@ -108,13 +108,17 @@ def trl_vllm_serve_command(python: str, model_dir: str, port: int, extra: list[s
 
 # what the vLLM tests use, by fixture name, in the order they first need it (the tests run in file order)
 PRESTART_ORDER = ("vllm_model_dir", "vllm_server", "vllm_server_to_kill", "vllm_server_to_restart", "vllm_lone_server",
-                  "vllm_tool_model_dir", "vllm_tool_server")  # fmt: skip
+                  "vllm_tool_model_dir", "vllm_tool_server", "vllm_server_to_heal", "vllm_pair_to_heal_a",
+                  "vllm_pair_to_heal_b")  # fmt: skip
 _NEEDS = {
     "vllm_server": "vllm_model_dir",
     "vllm_server_to_kill": "vllm_model_dir",
     "vllm_server_to_restart": "vllm_model_dir",
     "vllm_lone_server": "vllm_model_dir",
     "vllm_tool_server": "vllm_tool_model_dir",
+    "vllm_server_to_heal": "vllm_model_dir",
+    "vllm_pair_to_heal_a": "vllm_model_dir",
+    "vllm_pair_to_heal_b": "vllm_model_dir",
 }
 
 

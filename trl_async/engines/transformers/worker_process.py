@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import queue
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -22,7 +24,8 @@ from ...sync.shared_memory import Digest, SharedMemoryWeights
 from ..held import HoldsTasks
 from .worker import WorkerSpec, worker_main
 
-STARTUP_GRACE_S = 120.0  # a starting worker imports torch and builds its model before its first heartbeat
+STARTUP_GRACE_S = 120.0
+_CLOSED = object()  # a worker's sender thread: stop  # a starting worker imports torch and builds its model before its first heartbeat
 
 
 @contextlib.contextmanager
@@ -111,10 +114,25 @@ class WorkerProcess(HoldsTasks):
         """Seconds since the last heartbeat (negative during the start-up grace)."""
         return now - self.heartbeat.value
 
+    def __post_init__(self) -> None:
+        self._sending: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._send_loop, name=f"trl_async-send-{self.process.pid}", daemon=True).start()
+
     def transmit(self, chunk: list[RolloutTask]) -> None:
-        """Pipe a registered chunk to the worker (outside the pool's lock: a chunk of long contexts can fill the
-        pipe until the worker reads it)."""
-        self.tasks.send(chunk)
+        """Hand a registered chunk to this worker's sender thread, which pipes it. A chunk of long contexts can fill
+        the pipe until the worker reads it, and a hung worker reads nothing until the health check kills it: the
+        pool's one dispatcher must not wait for that, or every other worker would get no work meanwhile."""
+        self._sending.put(chunk)
+
+    def _send_loop(self) -> None:
+        """Pipe each chunk, in order, then the exit request (``None``); ends when the worker is gone."""
+        while (chunk := self._sending.get()) is not _CLOSED:
+            try:
+                self.tasks.send(chunk)
+            except (OSError, TypeError, ValueError):  # the worker was killed: its pipe broke or closed under the send
+                return
+            if chunk is None:
+                return
 
     def stop(self, timeout_s: float) -> None:
         """Ask the worker to exit; kill it if it has not after ``timeout_s``. Messages it still sends are discarded
@@ -124,8 +142,7 @@ class WorkerProcess(HoldsTasks):
         if timeout_s <= 0 or self.outstanding:
             self.kill()
             return
-        with contextlib.suppress(Exception):
-            self.tasks.send(None)
+        self._sending.put(None)  # after the chunks already handed over
         deadline = time.monotonic() + timeout_s
         while self.process.is_alive() and time.monotonic() < deadline:
             with contextlib.suppress(Exception):
@@ -135,6 +152,7 @@ class WorkerProcess(HoldsTasks):
         self.kill()
 
     def kill(self) -> None:
+        self._sending.put(_CLOSED)  # (a send blocked on the full pipe ends below, when the pipe breaks)
         if self.process.is_alive():
             self.process.kill()
         self.process.join(5)

@@ -9,7 +9,9 @@ shared. Each token comes back with its log-prob under the distribution vLLM samp
 weights that sampled it (vLLM's ``weight_versions`` spans; a weight push labels the weights with the policy version).
 
 A lane health-checks its server every 0.5 s; a server silent for ``rollout_heartbeat_timeout_s`` is lost: what it
-held is generated again on the other servers, and its lane is replaced by one that waits for it (reattach.py). When
+held is generated again on the other servers, and its lane is replaced by one that waits for it (reattach.py). A
+server that fails a weight sync, whatever its phase, is lost the same way, with every member of a push that broke off
+(``_lose_or_raise``). When
 it answers again as the same server, the next publish re-opens the weight transport with it, pushes the current
 weights (with adapters: the base, then the current adapter), compares a greedy probe with a peer's, and only then
 does it take work. Training stops, naming the server, once it has been down ``rollout_vllm_down_limit_s``, every
@@ -76,6 +78,9 @@ class VLLMBackend:
         self.max_outstanding = max_outstanding
         self.pause_mode = pause_mode
         self.servers = servers = [VLLMServer(s.url, s.request_timeout_s, s.retry_s) for s in self.specs]
+        # the weight sync and the probe never retry: a server restarted meanwhile is a new process, which must not
+        # get half a sync meant for the old one (the failure lets it go; it is re-attached from the start)
+        self._sync_clients = [VLLMServer(s.url, s.request_timeout_s, 0.0) for s in self.specs]
         infos = [check_server(server, startup_timeout_s) for server in servers]
         transport = served_transport(transport, infos, [s.url for s in servers], trainer_device)
         self.identities = [identity(info) for info in infos]  # what a server must be to be taken back
@@ -98,7 +103,7 @@ class VLLMBackend:
         self.plan = adapters if self.served is not None else None
         self._pushed_specs = self.plan.base_specs if self.plan else weight_specs
         self._transport = (transport, bucket_bytes, startup_timeout_s)
-        self.pusher = VLLMWeightPusher(servers, *self._transport, self._pushed_specs)
+        self.pusher = VLLMWeightPusher(self._sync_clients, *self._transport, self._pushed_specs)
         self._members = list(range(len(servers)))  # the servers the pusher's collective group spans
         self._based: list[int] = []  # servers back after a loss that got the frozen base at this publish
         self.lanes: list[VLLMLane] = []  # every lane started, replaced ones included
@@ -153,8 +158,15 @@ class VLLMBackend:
             if not self._based:  # it went down again meanwhile
                 _drain(buckets)
                 return
-            self._regroup(self._based)
-        self.pusher.push(buckets, version, self.pause_mode)
+        members = self._based if self.pusher.pushes else list(range(len(self.servers)))
+        try:
+            if self.pusher.pushes:
+                self._regroup(self._based)
+            self.pusher.push(buckets, version, self.pause_mode)
+        except Exception as exc:
+            _drain(buckets)
+            self._lose_or_raise(members, "the push of the frozen base", exc)
+            self._based = []
 
     def publish(self, buckets: Buckets, version: int, digest=None, ready=None) -> None:
         # no digest here (rollout_verify_weights is refused with vLLM: its kernels do not reproduce the trainer's)
@@ -171,13 +183,19 @@ class VLLMBackend:
             tensors = {name: t.detach().clone() for bucket in buckets for name, t in bucket}
             loaded = self.served.publish(*served_adapter(self.plan.merges, tensors), version,
                                          [self.servers[i] for i in live])  # fmt: skip
+            self._lose([i for i, ok in zip(live, loaded, strict=True) if not ok], "loading the adapter")
             live = [i for i, ok in zip(live, loaded, strict=True) if ok]
         else:
-            if live != self._members or back:  # a server was lost or came back: a new group over the ones up now
-                self._regroup(live)  # (one back is a new process: its transport is opened before any push, even
-                # when the group's members are the same as at the last push: the only server, or one lost and back
-                # between two pushes)
-            self.pusher.push(buckets, version, self.pause_mode)
+            try:
+                if live != self._members or back:  # a server was lost or came back: a new group over those up now
+                    self._regroup(live)  # (one back is a new process: its transport is opened before any push, even
+                    # when the group's members are the same as at the last push: the only server, or one lost and
+                    # back between two pushes)
+                self.pusher.push(buckets, version, self.pause_mode)
+            except Exception as exc:
+                _drain(buckets)  # the rest of the stream: under ZeRO-3 every rank's gathers go on in lock-step
+                self._lose_or_raise(live, f"the weight push of version {version}", exc)
+                return
         peers = [i for i in live if i not in back]
         for i in back:
             if i in live:
@@ -186,8 +204,31 @@ class VLLMBackend:
             if self.current[i].attached:
                 self.current[i].adopted(version)
 
+    def _lose_or_raise(self, members: list[int], during: str, exc: Exception, only_down: bool = False) -> None:
+        """A sync step over ``members`` raised ``exc``. If a server no longer answers, it died or hung there: the
+        members are let go (``_lose``; with ``only_down`` only those down). If every one still answers, the error is
+        not a lost server, and retrying would only repeat it: it is raised."""
+        down = [i for i in members if not self.servers[i].healthy(timeout_s=2.0)]
+        if not down:
+            raise exc
+        self._lose(down if only_down else members, f"{during} ({type(exc).__name__}: {exc})")
+
+    def _lose(self, members: list[int], during: str) -> None:
+        """``members`` failed ``during`` a weight sync: none is known to hold a whole version (a push that broke off
+        leaves the survivors paused with mixed weights), so each is let go as lost. What its lane held is generated
+        again, and a lane that waits for it takes it back, with a new transport group, the current weights and a
+        probe, once it answers (reattach.py); training goes on meanwhile, or waits for it within the limits."""
+        if not members:
+            return
+        logger.warning("vLLM server(s) %s failed during %s; each is re-attached once it answers",
+                       ", ".join(self.specs[i].url for i in members), during)  # fmt: skip
+        for i in members:
+            if self.current[i] is not None:
+                self.current[i].lose()
+        self._members = []  # the next push opens a new group, whoever is in it
+
     def _regroup(self, members: list[int]) -> None:
-        self.pusher = VLLMWeightPusher([self.servers[i] for i in members], *self._transport, self._pushed_specs)
+        self.pusher = VLLMWeightPusher([self._sync_clients[i] for i in members], *self._transport, self._pushed_specs)
         self._members = members
 
     def _reattach(self, index: int, version: int, peers: list[int]) -> None:
@@ -199,7 +240,13 @@ class VLLMBackend:
             return
         if peers:
             params = {"n": 1, "max_tokens": 8, "temperature": 0.0, "logprobs": 0, "ignore_eos": True}
-            mine, theirs = (self.servers[i].generate(PROBE, params, adapter=adapter)[0].token_ids for i in (index, peers[0]))
+            try:
+                mine, theirs = (self._sync_clients[i].generate(PROBE, params, adapter=adapter)[0].token_ids
+                                for i in (index, peers[0]))  # fmt: skip
+            except Exception as exc:  # one of them died or stopped answering: no verdict
+                self._lose_or_raise([index, peers[0]], f"the probe of {lane.spec.url} after its re-attach", exc,
+                                    only_down=True)  # fmt: skip
+                return
             if mine != theirs:
                 lane.returning.state = "refused"
                 logger.warning(

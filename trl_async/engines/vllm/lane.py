@@ -105,6 +105,14 @@ class VLLMLane(HoldsTasks):
     def describe(self) -> str:
         return f"vLLM server {self.spec.url}"
 
+    def lose(self) -> None:
+        """Its server failed a weight sync: an attached lane goes silent at once (the pool replaces it and what it
+        held is generated again); a returning one waits to see its server back again before the next attempt."""
+        if self.attached:
+            self._gave_up = True
+        else:
+            self.returning.lost_again()
+
     def adopted(self, version: int) -> None:
         """The server now generates with ``version`` (called after a push)."""
         self._post(WeightsAdopted(self.worker_id, version, None))

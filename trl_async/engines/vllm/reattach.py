@@ -87,6 +87,12 @@ class Return:
                            self.url, down, f" (it stops after {self.down_limit_s:.0f}s)" if self.down_limit_s else "")
         return None
 
+    def lost_again(self) -> None:
+        """Its re-attach failed (the server died or stopped answering during the push or the probe): wait to see it
+        answer again, then the next weight sync retries."""
+        if self.state == "back":
+            self.state, self.back_at = "down", None
+
     def attach(self, now: float) -> float:
         """Re-attached (weights pushed and checked): returns the seconds from going down to taking work again."""
         self.state = "attached"
