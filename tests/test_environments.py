@@ -192,19 +192,21 @@ def test_a_reset_that_always_raises_stops_training_with_its_error(tmp_path, tool
     ours = AsyncGRPOTrainer(model=tool_model_dir, reward_funcs=Recorder(), processing_class=tokenizer_of(tool_model_dir),
                             args=async_args(tmp_path, **TOOL_SETTINGS), train_dataset=rows(),
                             environment_factory=Broken)  # fmt: skip
-    with pytest.raises(RuntimeError, match="reset raised for .* groups in a row(.|\\n)*the sandbox is down"):
+    with pytest.raises(RuntimeError, match="groups in a row could not run(.|\\n)*reset raised(.|\\n)*the sandbox is down"):
         ours.train()
     assert no_rollout_children()
 
 
 class SlowMultiplier:
-    """Every call outlasts the tool timeout; records how many of its calls ever ran at once."""
+    """Every call outlasts the tool timeout (0.5 s in the tests) by ``seconds``; records how many of its calls ever ran
+    at once, and when the last one returned."""
 
     instances: list = []
     lock = threading.Lock()
+    seconds = 0.8
 
     def __init__(self):
-        self.inside, self.most_inside, self.entered = 0, 0, 0
+        self.inside, self.most_inside, self.entered, self.returned_at = 0, 0, 0, None
         with SlowMultiplier.lock:
             SlowMultiplier.instances.append(self)
 
@@ -216,10 +218,15 @@ class SlowMultiplier:
         with SlowMultiplier.lock:
             self.inside, self.entered = self.inside + 1, self.entered + 1
             self.most_inside = max(self.most_inside, self.inside)
-        time.sleep(3.0)
+        time.sleep(self.seconds)
         with SlowMultiplier.lock:
             self.inside -= 1
+            self.returned_at = time.monotonic()
         return a * b
+
+
+class StuckMultiplier(SlowMultiplier):
+    seconds = 30.0  # still running another timeout later
 
 
 TIMED_OUT = "{'error': 'tool multiply did not return within 0.5 s (rollout_tool_timeout_s)'}"
@@ -269,3 +276,44 @@ def test_after_a_timed_out_call_an_environment_episode_runs_no_more_calls_on_its
     assert len(used) >= len(tool_messages) and all(e.entered == 1 for e in used)
     # the calls not run count as failed calls, as GRPOTrainer counts any failed call
     assert all(failure == 1.0 for _, failure in tool_metrics(trainer))
+
+
+def test_an_environment_is_scored_only_after_its_timed_out_call_returned(tmp_path, timeout_model_dir):
+    """A timed-out call keeps running on the episode's instance; the episode ends meanwhile. Its rewards read the
+    instance only once that call has returned, so no reward reads a state a call is still changing."""
+    SlowMultiplier.instances = []
+    reads = []
+
+    def settled_reward(completions, environments, **kwargs):
+        now = time.monotonic()
+        reads.extend((env.inside, env.returned_at, now) for env in environments)
+        return [0.0] * len(completions)
+
+    trainer = AsyncGRPOTrainer(
+        model=timeout_model_dir, reward_funcs=settled_reward, processing_class=tokenizer_of(timeout_model_dir),
+        args=async_args(tmp_path, **{**TOOL_SETTINGS, "per_device_train_batch_size": 2, "max_completion_length": 160},
+                        rollout_tool_timeout_s=0.5, max_staleness=0),
+        train_dataset=Dataset.from_list([{"prompt": conversation("What is 3 times 4?")}] * 4),
+        environment_factory=SlowMultiplier,
+    )  # fmt: skip
+    trainer.train()
+    assert trainer.state.global_step == 2 and reads
+    assert all(inside == 0 and returned is not None and returned <= read for inside, returned, read in reads), reads
+
+
+def test_an_environment_whose_timed_out_call_never_returns_is_not_scored(tmp_path, timeout_model_dir):
+    """Still running another timeout later: the instance's state is unknowable, so the group is abandoned (never
+    scored); when every group is, training stops and says why."""
+    SlowMultiplier.instances = []
+    scored = []
+    trainer = AsyncGRPOTrainer(
+        model=timeout_model_dir, reward_funcs=lambda completions, **kw: scored.append(1) or [0.0] * len(completions),
+        processing_class=tokenizer_of(timeout_model_dir),
+        args=async_args(tmp_path, **{**TOOL_SETTINGS, "per_device_train_batch_size": 2, "max_completion_length": 160},
+                        rollout_tool_timeout_s=0.5, max_staleness=0),
+        train_dataset=Dataset.from_list([{"prompt": conversation("What is 3 times 4?")}] * 4),
+        environment_factory=StuckMultiplier,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="could not run(.|\\n)*timed out(.|\\n)*still running"):
+        trainer.train()
+    assert not scored

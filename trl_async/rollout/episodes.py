@@ -22,8 +22,11 @@ value is appended to the last prompt message, the instance's public methods are 
 instance stays with the group until its rewards are computed (environment-owned rewards read its state), then goes
 back to the pool. A ``reset`` that raises abandons the group (counted, logged); training goes on. Once a call of an
 environment episode times out (``rollout_tool_timeout_s``) it may still be running on the instance: the episode's
-later calls are not run (each a failed call that says why), its rewards read the instance as it is then, and the
-instance is dropped instead of going back to the pool.
+later calls are not run (each a failed call that says why), and the group is scored only once that call has
+returned, so its rewards never read an instance that a call is still changing. The wait runs on a thread of its own
+(never the trainer's or this runner's), for at most another ``rollout_tool_timeout_s``; a call still running then
+leaves the instance's state unknowable, and the group is abandoned (counted in ``async/abandoned_groups``, its prompt
+not retried). Either way the instance is dropped instead of going back to the pool.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import inspect
 import logging
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -106,6 +110,7 @@ class Episode:
     turns: list[dict] = field(default_factory=list)
     done: bool = False
     timed_out: bool = False  # a call timed out: it may still be running (on this episode's environment)
+    strays: list = field(default_factory=list)  # the threads of its sync calls that timed out
 
     @property
     def context(self) -> list[int]:
@@ -132,6 +137,7 @@ class Episode:
         """Append the tool messages and their suffix tokens; ``False`` (rolled back, nothing appended) when they
         would overflow ``max_completion_length`` or reach ``max_model_len``, as GRPOTrainer does."""
         self.timed_out = self.timed_out or results.timeouts > 0
+        self.strays += results.strays
         self.tool_calls += results.calls
         self.tool_failures += results.failures
         self.rounds += 1
@@ -283,6 +289,8 @@ class EpisodeRunner:
                         self._on_turn(event[1], event[2])
                     elif event[0] == "start":
                         self._on_start(event[1])
+                    elif event[0] == "settled":
+                        self._on_settled(*event[1:])
                     else:
                         self._on_tools(*event[1:])
                 except BaseException as exc:  # noqa: BLE001 - the pool fails and the trainer raises it
@@ -313,7 +321,7 @@ class EpisodeRunner:
             except Exception:  # noqa: BLE001 - a user's environment: reported, the group is skipped
                 del self._groups[task.group_id]
                 self.environments.release(name, group.instances)
-                self.abandon(task, traceback.format_exc())
+                self.abandon(task, f"the environment's reset raised:\n{traceback.format_exc()}")
                 return
             episode = Episode(self._tokenize(with_observation(prompt, observation), name))
             episode.prompt = with_observation(prompt, observation)
@@ -390,8 +398,35 @@ class EpisodeRunner:
     def _end(self, group_id: int, episode: Episode) -> None:
         episode.done = True
         group = self._groups[group_id]
-        if all(e.done for e in group.episodes):
-            del self._groups[group_id]
-            if group.instances:
-                self._held[group_id] = group  # until its rewards are computed (release)
-            self.finished(group.record())
+        if not all(e.done for e in group.episodes):
+            return
+        strays = [t for e in group.episodes for t in e.strays if t.is_alive()] if group.instances else []
+        if strays:  # a timed-out call still runs on an instance its rewards would read: scored once it returns
+            threading.Thread(target=self._settle, args=(group_id, strays), name="trl_async-settle", daemon=True).start()
+            return
+        self._finish(group_id, group)
+
+    def _finish(self, group_id: int, group: _Group) -> None:
+        del self._groups[group_id]
+        if group.instances:
+            self._held[group_id] = group  # until its rewards are computed (release)
+        self.finished(group.record())
+
+    def _settle(self, group_id: int, strays: list[threading.Thread]) -> None:
+        """Wait (on its own thread) for the timed-out calls of a finished group, at most another timeout."""
+        deadline = time.monotonic() + (self.tool_runner.timeout_s or 0.0)
+        for thread in strays:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._events.put(("settled", group_id, not any(t.is_alive() for t in strays)))
+
+    def _on_settled(self, group_id: int, returned: bool) -> None:
+        group = self._groups[group_id]
+        if returned:
+            self._finish(group_id, group)
+            return
+        del self._groups[group_id]
+        self._release(group)  # (the instances the stray calls hold are dropped)
+        first = group.first
+        self.abandon(RolloutTask(group_id, first.prompt_index, first.prompt_ids, group.admitted_at_version),
+                     f"a tool call that timed out (rollout_tool_timeout_s={self.tool_runner.timeout_s:g}) was still "
+                     "running on its environment another timeout later, so no reward could read a settled state")

@@ -400,8 +400,9 @@ class RolloutPool:
             self._cv.notify_all()
 
     def _abandon(self, task: RolloutTask, why: str) -> None:
-        """A group that cannot run (its environment's ``reset`` raised): skipped, counted, its prompt not retried."""
-        logger.warning("train_dataset row %d: skipped, the environment's reset raised:\n%s", task.prompt_index, why)
+        """A group that cannot run or be scored (its environment's ``reset`` raised, or a timed-out tool call never
+        returned): skipped, counted, its prompt not retried."""
+        logger.warning("train_dataset row %d: skipped, %s", task.prompt_index, why)
         with self._cv:
             self._admitted -= 1
             self.abandoned_groups += 1
@@ -411,8 +412,8 @@ class RolloutPool:
             limit = 2 * self.settings.groups_per_batch + 2
             if self._abandoned_in_a_row >= limit:  # a reset that always raises: stop, not spin through the data
                 self._error = self._error or RuntimeError(
-                    f"the environment's reset raised for {self._abandoned_in_a_row} groups in a row; the last "
-                    f"one (train_dataset row {task.prompt_index}):\n{why}"
+                    f"{self._abandoned_in_a_row} groups in a row could not run; the last one (train_dataset row "
+                    f"{task.prompt_index}): {why}"
                 )
             self._cv.notify_all()
 

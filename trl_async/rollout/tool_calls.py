@@ -35,6 +35,15 @@ class ToolResults:
     failures: int = 0
     timeouts: int = 0
     records: list[dict] = field(default_factory=list)  # per call: name, arguments, result (cut), failed
+    strays: list[threading.Thread] = field(default_factory=list)  # sync calls that timed out and still run
+
+
+class ToolTimeout(TimeoutError):
+    """A sync tool call did not return in time; ``thread`` still runs it."""
+
+    def __init__(self, message: str, thread: threading.Thread) -> None:
+        super().__init__(message)
+        self.thread = thread
 
 
 def split_tools(tools: Sequence[Callable]) -> tuple[dict[str, Callable], dict[str, Callable]]:
@@ -60,7 +69,7 @@ def _call_with_timeout(fn: Callable, arguments: dict, timeout_s: float | None) -
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        raise TimeoutError(f"tool {fn.__name__} did not return within {timeout_s:g} s (rollout_tool_timeout_s)")
+        raise ToolTimeout(f"tool {fn.__name__} did not return within {timeout_s:g} s (rollout_tool_timeout_s)", thread)
     if "error" in box:
         raise box["error"]
     return box["value"]
@@ -91,6 +100,7 @@ def run_tool_calls(
     names: list[str] = []
     failed: list[bool] = [False] * len(calls)
     timeouts = 0
+    strays: list[threading.Thread] = []
     pending: list[tuple[int, Any]] = []  # (call index, coroutine)
     for i, call in enumerate(calls):
         names.append(_call_name(call))
@@ -113,6 +123,8 @@ def run_tool_calls(
                 raise ValueError(f"Tool {name} not found.")
         except Exception as exc:  # noqa: BLE001 - reported to the model, as GRPOTrainer does
             timeouts += isinstance(exc, TimeoutError)
+            if isinstance(exc, ToolTimeout):
+                strays.append(exc.thread)
             results[i], failed[i] = {"error": str(exc)}, True
     if pending and refused is not None:  # coroutines created, never started: nothing of them ran on the state
         for i, coroutine in pending:
@@ -140,7 +152,8 @@ def run_tool_calls(
         arguments = call.get("function", {}).get("arguments") if isinstance(call.get("function"), dict) else None
         records.append({"name": names[i], "arguments": arguments, "result": str(content)[:RECORD_CHARS],
                         "failed": failed[i]})  # fmt: skip
-    return ToolResults(messages, calls=len(calls), failures=sum(failed), timeouts=timeouts, records=records)
+    return ToolResults(messages, calls=len(calls), failures=sum(failed), timeouts=timeouts, records=records,
+                       strays=strays)
 
 
 def calls_not_run(calls: Sequence[dict], why: str) -> ToolResults:
