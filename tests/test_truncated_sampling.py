@@ -32,9 +32,12 @@ def assert_ratios_are_one(trainer, tol: float) -> None:
         dict(repetition_penalty=1.5),
         dict(generation_kwargs={"typical_p": 0.8, "epsilon_cutoff": 0.02}),
         dict(generation_kwargs={"min_new_tokens": 4}),
+        dict(generation_kwargs={"temperature": 0.7}),  # the engine's temperature, not the loss's
+        dict(temperature=0.7, repetition_penalty=1.3, generation_kwargs={"do_sample": False, "min_new_tokens": 3}),
         COMBINATION,
     ],
-    ids=["top_p", "top_k", "min_p", "repetition_penalty", "typical_epsilon", "min_new_tokens", "combination"],
+    ids=["top_p", "top_k", "min_p", "repetition_penalty", "typical_epsilon", "min_new_tokens", "kwargs_temperature",
+         "greedy", "combination"],
 )
 def test_transformers_workers_ratio_is_one_at_staleness_0(tmp_path, tiny_model_dir, sampler):
     args = async_args(tmp_path, max_staleness=0, max_steps=3, max_completion_length=10, **sampler)
@@ -76,7 +79,9 @@ def test_vllm_server_ratio_is_one_at_staleness_0(tmp_path, vllm_server, vllm_mod
     from .test_vllm_backend import _dataset, _reward, _vllm_args
 
     for sampler in (dict(top_p=0.7), dict(top_k=8), dict(min_p=0.3), dict(repetition_penalty=1.5),
-                    dict(generation_kwargs={"min_tokens": 4}), COMBINATION):  # fmt: skip
+                    dict(generation_kwargs={"min_tokens": 4, "stop_token_ids": [5]}),  # EOS held back too
+                    dict(generation_kwargs={"temperature": 0.0}),  # vLLM's greedy: no temperature, no truncation
+                    COMBINATION):  # fmt: skip
         args = _vllm_args(tmp_path, vllm_server.url, max_staleness=0, max_steps=2, **sampler)
         trainer = AsyncGRPOTrainer(model=vllm_model_dir, reward_funcs=_reward, args=args, train_dataset=_dataset())
         trainer.train()

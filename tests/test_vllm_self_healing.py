@@ -7,6 +7,7 @@ the wire), not a race with the clock."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.parse
@@ -123,14 +124,18 @@ def test_the_only_server_killed_before_a_publish_and_then_mid_generate_heals_eac
     monkeypatch.setattr(backend_module.VLLMBackend, "publish", publish_then_maybe_die)
     pump = Forwarder._pump
 
+    once = threading.Lock()  # connections are pumped on threads of their own: one kill
+    fired: list = []
+
     def forward_then_maybe_die(self, source, sink, target=None):
         if target is not None and armed["generate"]:  # a client's connection: is it a generate request?
-            first = source.recv(65536, __import__("socket").MSG_PEEK)
-            if first.startswith(b"POST /inference/v1/generate") and armed["generate"]:
-                armed["generate"] = False
-                data = source.recv(65536)
-                sink.sendall(data)  # the request reached the server: it dies with it in flight
-                server.kill("mid-generate")
+            first = source.recv(65536, socket.MSG_PEEK)
+            if first.startswith(b"POST /inference/v1/generate"):
+                with once:
+                    fire, armed["generate"] = armed["generate"], False
+                if fire:
+                    sink.sendall(source.recv(65536))  # the request reached the server: it dies with it in flight
+                    server.kill("mid-generate")
         return pump(self, source, sink, target)
 
     monkeypatch.setattr(Forwarder, "_pump", forward_then_maybe_die)
@@ -139,7 +144,8 @@ def test_the_only_server_killed_before_a_publish_and_then_mid_generate_heals_eac
         def on_step_end(self, args, train_state, control, **kwargs):
             if train_state.global_step == 2:
                 armed["publish"] = True  # a publish at this step's end finds it dead
-            elif server.kills == ["before publish"] and lane_state(trainer, 0) == "attached":
+            elif server.kills == ["before publish"] and lane_state(trainer, 0) == "attached" and not fired:
+                fired.append(True)
                 armed["generate"] = True  # re-attached: the next generate request kills it
 
     args = _vllm_args(tmp_path, url.url, max_steps=10, max_staleness=1, rollout_heartbeat_timeout_s=3,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 from accelerate.utils import is_peft_model
@@ -217,11 +218,14 @@ def rollout_sampling(trainer) -> SamplingSettings:
     """What the rollout engine applies to the logits before sampling: the vLLM requests' parameters, or the
     transformers workers' GenerationConfig (GRPOTrainer's, with ``generation_kwargs``)."""
     if trainer.async_args.rollout_backend == "vllm":
-        return settings_of("vllm", vllm_sampling_params(trainer))
+        settings = settings_of("vllm", vllm_sampling_params(trainer))
+        # vLLM's min_tokens holds back the request's stop_token_ids and every EOS of the model and tokenizer
+        return replace(settings, stop_ids=tuple(sorted({*settings.stop_ids, *trainer.eos_token_ids})))
     config = trainer.generation_config
-    if not config.do_sample:  # greedy: generate applies its processors (the penalty), no temperature or warpers
-        return SamplingSettings(engine="transformers", repetition_penalty=config.repetition_penalty or 1.0)
-    return settings_of("transformers", config.to_dict())
+    settings = settings_of("transformers", config.to_dict())
+    if not config.do_sample:  # greedy: generate's processors (penalty, min_new_tokens), no temperature or warpers
+        settings = replace(settings, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, extra_warpers=())
+    return settings
 
 
 def _vllm_backend(trainer, model, urls: list[str], owned: list):

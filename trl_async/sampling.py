@@ -1,17 +1,19 @@
 """The distribution a rollout engine samples each token from, built once and applied on both sides of the ratio.
 
-A worker samples token ``a`` from the *processed* distribution: the raw logits, then the repetition penalty, then
-temperature, then the truncations (top-k, top-p, min-p, and on the transformers workers typical-p, epsilon, eta and
-top-h), renormalised over the tokens kept. Its log-prob there is mu. The importance ratio compares mu with the
+A worker samples token ``a`` from the *processed* distribution: the raw logits, the stop tokens held back before
+``min_new_tokens``, the repetition penalty, temperature, then the truncations (top-k, top-p, min-p, and on the
+transformers workers top-h, typical-p, epsilon and eta), renormalised over the tokens kept. Its log-prob there is mu. The importance ratio compares mu with the
 trainer's policy at the consumed version processed *the same way* (``processed_logps``), so at staleness 0 the ratio
 is 1 whatever the sampler, and at staleness k it corrects towards the distribution a synchronous trainer would sample
 from at that version. A token the proximal policy's own truncation removes gets probability 0 there: its ratio is 0.
 
 The two engines order the truncations differently, and the order changes the kept set:
-- transformers (``generate``): repetition penalty, temperature, top-k, top-p, min-p, then the rest;
+- transformers (``generate``): repetition penalty, temperature, top-h, top-k, top-p, min-p, then the rest;
 - vLLM (v1 sampler): repetition penalty, temperature, min-p, then top-k and top-p together.
-Both are built from transformers' own processors; each has the same rule as its vLLM counterpart (ties at the k-th
-logit kept, at least one token kept by top-p). The repetition penalty sees the row's context without padding: a
+Both are built from transformers' own processors; each has the same rule as its vLLM counterpart on the CPU (ties at
+the k-th logit kept, at least one token kept by top-p). vLLM's CUDA top-k/top-p kernel differs at the edges (it keeps
+exactly k tokens when the k-th logit is tied, and finds the top-p cut by a bounded search): there a token at the
+edge of the kept set can get a ratio away from 1. The repetition penalty sees the row's context without padding: a
 padded prompt's pad token is not a token the row has seen.
 
 Settings that change the distribution in ways not rebuilt here (``UNREPRODUCED``) are refused by the config while an
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 SAMPLER_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")  # GRPOConfig's
+VLLM_GREEDY_BELOW = 1e-5  # vLLM samples greedily below this temperature (its _SAMPLING_EPS)
 
 # transformers warpers beyond GRPOConfig's fields, rebuilt on the transformers engine through transformers itself
 EXTRA_TRANSFORMERS_WARPERS = ("typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
@@ -34,13 +37,14 @@ EXTRA_TRANSFORMERS_WARPERS = ("typical_p", "epsilon_cutoff", "eta_cutoff", "top_
 UNREPRODUCED = {
     "transformers": (
         "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "suppress_tokens",
-        "begin_suppress_tokens", "min_length", "forced_bos_token_id", "forced_eos_token_id",
+        "begin_suppress_tokens", "min_length", "forced_eos_token_id",
         "exponential_decay_length_penalty", "encoder_repetition_penalty", "diversity_penalty", "guidance_scale",
         "watermarking_config", "forced_decoder_ids", "logits_processor",
     ),
     "vllm": (
         "presence_penalty", "frequency_penalty", "logit_bias", "bad_words", "allowed_token_ids",
-        "logits_processors", "structured_outputs", "guided_decoding", *EXTRA_TRANSFORMERS_WARPERS,
+        "logits_processors", "structured_outputs", "guided_decoding", "thinking_token_budget", "extra_args",
+        *EXTRA_TRANSFORMERS_WARPERS,
     ),
 }  # fmt: skip
 
@@ -59,6 +63,11 @@ class SamplingSettings:
     min_new_tokens: int = 0  # transformers' min_new_tokens, vLLM's min_tokens: no stop token before this many
     stop_ids: tuple[int, ...] = ()  # the tokens min_new_tokens holds back (EOS ids)
 
+    def differs_from(self, loss_temperature: float) -> bool:
+        """Whether the engine samples from anything but ``softmax(logits / loss_temperature)``, the distribution
+        GRPOTrainer's loss computes (a temperature in ``generation_kwargs`` also makes it differ)."""
+        return self.reshapes or self.temperature != loss_temperature
+
     @property
     def reshapes(self) -> bool:
         """Whether the processed distribution differs from ``softmax(logits / temperature)``."""
@@ -76,17 +85,19 @@ def settings_of(engine: str, params: Mapping) -> SamplingSettings:
     """The settings in a transformers ``GenerationConfig`` (as a dict, or its ``to_dict()``) or a vLLM sampling
     parameter dict."""
     top_k = int(_number(params.get("top_k"), 0))
+    temperature = float(_number(params.get("temperature"), 1.0))
     extra = ()
     if engine == "transformers":
         neutral = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None}
         extra = tuple((name, params[name]) for name in EXTRA_TRANSFORMERS_WARPERS
                       if params.get(name) is not None and params[name] != neutral[name])  # fmt: skip
+    greedy = engine == "vllm" and temperature < VLLM_GREEDY_BELOW  # vLLM: no temperature, no truncation
     return SamplingSettings(
         engine=engine,
-        temperature=float(_number(params.get("temperature"), 1.0)),
-        top_k=max(top_k, 0),
-        top_p=float(_number(params.get("top_p"), 1.0)),
-        min_p=float(_number(params.get("min_p"), 0.0)),
+        temperature=1.0 if greedy else temperature,
+        top_k=0 if greedy else max(top_k, 0),
+        top_p=1.0 if greedy else float(_number(params.get("top_p"), 1.0)),
+        min_p=0.0 if greedy else float(_number(params.get("min_p"), 0.0)),
         repetition_penalty=float(_number(params.get("repetition_penalty"), 1.0)),
         extra_warpers=extra,
         min_new_tokens=int(_number(params.get("min_new_tokens" if engine == "transformers" else "min_tokens"), 0)),
@@ -225,11 +236,13 @@ def refused_sampling(engine: str, fields: Mapping, generation_kwargs: Mapping | 
             "trainer does not rebuild when it computes the importance ratio, so the ratio would differ from 1 even "
             "at staleness 0: remove it, or set off_policy_correction='none' (stale tokens then train uncorrected)"
         )
-    if bypass and settings_of(engine, {**fields, **kwargs}).reshapes:
+    loss_temperature = float(_number(fields.get("temperature"), 1.0))
+    if bypass and settings_of(engine, {**fields, **kwargs}).differs_from(loss_temperature):
         return "off_policy_bypass", (
-            "the bypass takes mu, the truncated or penalised distribution the engine samples from, as the proximal "
-            "policy, while GRPOTrainer's loss uses the full softmax, so every ratio would start at the probability "
-            "mass the sampler kept instead of 1: set off_policy_bypass=False (one forward pass per batch rebuilds the "
-            "engine's distribution), or sample with top_k=0, top_p=1, min_p=None and repetition_penalty=1"
+            "the bypass takes mu, the distribution the engine samples from (truncated, penalised, held back by "
+            "min_new_tokens, or at another temperature than the loss's), as the proximal policy, while GRPOTrainer's "
+            "loss uses the full softmax at its temperature, so the ratios would not start at 1: set "
+            "off_policy_bypass=False (one forward pass per batch rebuilds the engine's distribution), or sample with "
+            "top_k=0, top_p=1, min_p=None, repetition_penalty=1 and no other sampling setting in generation_kwargs"
         )
     return None

@@ -132,6 +132,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         )  # fmt: skip
         check_after_loading(self)
         self._sampling = rollout_sampling(self)  # what the engines apply to the logits: the ratio applies it too
+        self._sampling_differs = self._sampling.differs_from(self.temperature)
         self._adapter_sync = adapter_only_sync(self)  # LoRA: workers get the base once, then only the adapters
         self._base_pending = False
         # under ZeRO-3 a collective: every rank gathers each sharded reward model, the main process keeps a copy
@@ -469,7 +470,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 tool_mask = output.get("tool_mask")
                 output["tool_mask"] = keep if tool_mask is None else tool_mask * keep
                 output["sampling_per_token_logps"] = prox
-        elif output.get("old_per_token_logps") is not None and not self._sampling.reshapes:  # same weights
+        elif output.get("old_per_token_logps") is not None and not self._sampling_differs:  # same weights
             prox = output["old_per_token_logps"]
         elif self._correction_from_loss_forward():
             return  # pi_prox comes from the loss's forward pass (see _compute_loss)
@@ -507,14 +508,18 @@ class AsyncGRPOTrainer(GRPOTrainer):
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         batch_size = self.args.per_device_train_batch_size
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-            if self._sampling.reshapes:
-                return proximal_logps(self.model, prompt_completion_ids, attention_mask, output["prompt_ids"].size(1),
-                                      self._sampling, self.temperature, batch_size, self.accelerator.autocast,
-                                      output.get("tool_mask"))  # fmt: skip
-            logps, _ = self._get_per_token_logps_and_entropies(
-                self.model, prompt_completion_ids, attention_mask, output["completion_ids"].size(1), batch_size
-            )[:2]
-        return logps, logps
+            if not self._sampling_differs or self.args.cast_lm_head_to_fp32:  # GRPOTrainer's own (fused) forward
+                logps, _ = self._get_per_token_logps_and_entropies(
+                    self.model, prompt_completion_ids, attention_mask, output["completion_ids"].size(1), batch_size
+                )[:2]
+                if not self._sampling_differs:
+                    return logps, logps
+            full, processed = proximal_logps(
+                self.model, prompt_completion_ids, attention_mask, output["prompt_ids"].size(1), self._sampling,
+                self.temperature, batch_size, self.accelerator.autocast, output.get("tool_mask"),
+            )  # fmt: skip
+        # with an fp32 LM head the loss's log-probs are the fused forward's: the clipped ratio starts at 1 with those
+        return (logps if self.args.cast_lm_head_to_fp32 else full), processed
 
     def _compute_loss(self, model, inputs):
         # GRPOTrainer multiplies `importance_sampling_ratio` into the per-token loss only when
@@ -558,5 +563,5 @@ class AsyncGRPOTrainer(GRPOTrainer):
         a = self.async_args
         return (
             self._steps_per_batch == 1 and a.off_policy_correction != "none" and not a.off_policy_bypass
-            and not self._sampling.reshapes  # the weight needs the processed distribution: logits, not log-probs
+            and not self._sampling_differs  # the weight needs the processed distribution: logits, not log-probs
         )  # fmt: skip

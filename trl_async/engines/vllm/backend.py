@@ -165,8 +165,8 @@ class VLLMBackend:
             self.pusher.push(buckets, version, self.pause_mode)
         except Exception as exc:
             _drain(buckets)
-            self._lose_or_raise(members, "the push of the frozen base", exc)
             self._based = []
+            self._lose_or_raise(members, "the push of the frozen base", exc, settle=self.pusher.settle)
 
     def publish(self, buckets: Buckets, version: int, digest=None, ready=None) -> None:
         # no digest here (rollout_verify_weights is refused with vLLM: its kernels do not reproduce the trainer's)
@@ -194,7 +194,7 @@ class VLLMBackend:
                 self.pusher.push(buckets, version, self.pause_mode)
             except Exception as exc:
                 _drain(buckets)  # the rest of the stream: under ZeRO-3 every rank's gathers go on in lock-step
-                self._lose_or_raise(live, f"the weight push of version {version}", exc)
+                self._lose_or_raise(live, f"the weight push of version {version}", exc, settle=self.pusher.settle)
                 return
         peers = [i for i in live if i not in back]
         for i in back:
@@ -204,11 +204,15 @@ class VLLMBackend:
             if self.current[i].attached:
                 self.current[i].adopted(version)
 
-    def _lose_or_raise(self, members: list[int], during: str, exc: Exception, only_down: bool = False) -> None:
+    def _lose_or_raise(self, members: list[int], during: str, exc: Exception, only_down: bool = False,
+                       settle=None) -> None:  # fmt: skip
         """A sync step over ``members`` raised ``exc``. If a server no longer answers, it died or hung there: the
         members are let go (``_lose``; with ``only_down`` only those down). If every one still answers, the error is
-        not a lost server, and retrying would only repeat it: it is raised."""
+        not a lost server, and retrying would only repeat it: it is raised. Health is read at once (a server
+        restarted meanwhile answers again), then ``settle`` waits for the survivors to leave the broken push."""
         down = [i for i in members if not self.servers[i].healthy(timeout_s=2.0)]
+        if settle is not None:
+            settle()
         if not down:
             raise exc
         self._lose(down if only_down else members, f"{during} ({type(exc).__name__}: {exc})")

@@ -15,6 +15,7 @@ the next one is gathered, so a send never interleaves with a gather and never re
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -90,6 +91,8 @@ class GlooSender:
             "bucket_bytes": bucket_bytes,
             "timeout_s": timeout_s,
         }
+        self.timeout_s = timeout_s
+        self._unsettled = None
         with ThreadPoolExecutor(max_workers=1) as pool:  # the servers block in the rendezvous until we join it
             joined = pool.submit(client.init_weight_transfer_engine, init_info)
             self.group = open_group(host, init_info["master_port"], 0, client.world_size, timeout_s)
@@ -98,13 +101,25 @@ class GlooSender:
     def send(self, buckets: Buckets, specs: dict, version: int) -> None:
         self.client.start_weight_update()
         pool = ThreadPoolExecutor(max_workers=1)
+        receiving = pool.submit(self.client.update_weights, update_info(specs))  # blocks in the receive
         try:
-            receiving = pool.submit(self.client.update_weights, update_info(specs))  # blocks in the receive
             send_buckets(self.group, buckets)
             receiving.result()
+        except BaseException:
+            self._unsettled = receiving  # see settle()
+            raise
         finally:
             pool.shutdown(wait=False)  # after a failed broadcast the request may never return; don't wait for it
         self.client.finish_weight_update(str(version))
+
+
+    def settle(self) -> None:
+        """After a broadcast that broke off (a member died): the other servers stay blocked in their receive until
+        the group's timeout. Wait for their calls to end (bounded), so that a new group finds them free, not wedged."""
+        receiving, self._unsettled = self._unsettled, None
+        if receiving is not None:
+            with contextlib.suppress(BaseException):
+                receiving.result(timeout=self.timeout_s + 30.0)
 
 
 class _BucketSource:
@@ -184,6 +199,18 @@ class VLLMWeightPusher:
             self.sender = NCCLSender(client, specs)
         else:
             self.sender = GlooSender(client, bucket_bytes, timeout_s)
+
+    def settle(self) -> None:
+        """After a failed push: wait until no server is still busy with it (``GlooSender.settle``), then close the
+        update it left open on each server still there (vLLM's layer-wise reload, begun by ``start_weight_update``,
+        must be finished before another can start). They stay paused, with half a version, until they are
+        re-attached."""
+        settle = getattr(self.sender, "settle", None)
+        if settle is not None:
+            settle()
+        for server in self.servers:
+            with contextlib.suppress(Exception):  # (a dead one fails here; so may a reload that got no weights)
+                server.finish_weight_update(None)
 
     def push(self, buckets: Buckets, version: int, pause_mode: str) -> float:
         """Returns the seconds it took; ``last_phases`` holds the seconds of each phase (for benchmarks)."""
