@@ -62,6 +62,12 @@ def test_each_of_several_prompt_lengths_is_penalised_without_its_padding(tmp_pat
     assert_ratios_are_one(trainer, tol=1e-3)
 
 
+def test_vllm_greedy_is_refused_as_vllm_refuses_it_with_several_completions():
+    with pytest.raises(ValueError, match="generation_kwargs.*greedily.*num_generations"):
+        AsyncGRPOConfig(output_dir="x", rollout_backend="vllm", rollout_vllm_urls=["http://x:1"],
+                        generation_kwargs={"temperature": 0.0}, use_cpu=True, bf16=False)  # fmt: skip
+
+
 def test_truncation_with_the_bypass_is_refused():
     with pytest.raises(ValueError, match="off_policy_bypass"):
         AsyncGRPOConfig(output_dir="x", top_p=0.9, off_policy_bypass=True, use_cpu=True, bf16=False)
@@ -80,7 +86,7 @@ def test_vllm_server_ratio_is_one_at_staleness_0(tmp_path, vllm_server, vllm_mod
 
     for sampler in (dict(top_p=0.7), dict(top_k=8), dict(min_p=0.3), dict(repetition_penalty=1.5),
                     dict(generation_kwargs={"min_tokens": 4, "stop_token_ids": [5]}),  # EOS held back too
-                    dict(generation_kwargs={"temperature": 0.0}),  # vLLM's greedy: no temperature, no truncation
+                    dict(generation_kwargs={"temperature": 0.7}),  # the engine's temperature, not the loss's
                     COMBINATION):  # fmt: skip
         args = _vllm_args(tmp_path, vllm_server.url, max_staleness=0, max_steps=2, **sampler)
         trainer = AsyncGRPOTrainer(model=vllm_model_dir, reward_funcs=_reward, args=args, train_dataset=_dataset())

@@ -37,8 +37,8 @@ class Restartable:
         self._spawned: list = []
 
     def kill(self, moment: str) -> None:
+        self.kills.append(moment)  # first: whoever plans the next kill sees this one at once
         self.server.stop()
-        self.kills.append(moment)
         log = self.log_dir / f"restarted_{self.port}_{len(self.kills)}.log"
 
         def restart():
@@ -104,15 +104,34 @@ def check_run(trainer, tmp_path, steps: int, batch: int, max_staleness: int, mod
         torch.testing.assert_close(torch.tensor(r["logprobs"]), expected, rtol=0, atol=1e-3)
 
 
-def test_the_only_server_killed_before_a_publish_and_then_mid_generate_heals_each_time(
+def kill_after_the_first_bucket(monkeypatch, armed: dict, server: Restartable, moment: str = "mid-push") -> None:
+    """While ``armed["push"]``: the next push kills ``server`` once its first bucket has gone out."""
+    send = weights_module.send_buckets
+
+    def send_then_maybe_die(group, buckets):
+        def stream():
+            for i, bucket in enumerate(buckets):
+                if i == 1 and armed["push"]:
+                    armed["push"] = False
+                    server.kill(moment)
+                yield bucket
+
+        return send(group, stream())
+
+    monkeypatch.setattr(weights_module, "send_buckets", send_then_maybe_die)
+
+
+def test_the_only_server_killed_before_a_publish_mid_generate_and_mid_push_heals_each_time(
     tmp_path, monkeypatch, vllm_model_dir, vllm_server_to_heal
 ):
-    """One server, reached through an address that stays the same. First it dies as the trainer enters a publish
-    request in flight. Training waits for it each time and finishes."""
+    """One server, reached through an address that stays the same, killed three times, each once it was
+    re-attached after the last: as the trainer enters a publish (nothing to push to: the push is skipped, the lane
+    finds it gone); with a generate request in flight; and after the first bucket of a push. Training waits for it
+    each time and finishes."""
     reattached_at = record_reattaches(monkeypatch)
     server = Restartable(vllm_server_to_heal, vllm_model_dir, tmp_path)
     url = Forwarder(("127.0.0.1", server.port))
-    armed = {"publish": False, "generate": False}
+    armed = {"publish": False, "generate": False, "push": False}
     publish = backend_module.VLLMBackend.publish
 
     def publish_then_maybe_die(self, buckets, version, *args, **kwargs):
@@ -122,10 +141,9 @@ def test_the_only_server_killed_before_a_publish_and_then_mid_generate_heals_eac
         return publish(self, buckets, version, *args, **kwargs)
 
     monkeypatch.setattr(backend_module.VLLMBackend, "publish", publish_then_maybe_die)
+    kill_after_the_first_bucket(monkeypatch, armed, server)
     pump = Forwarder._pump
-
     once = threading.Lock()  # connections are pumped on threads of their own: one kill
-    fired: list = []
 
     def forward_then_maybe_die(self, source, sink, target=None):
         if target is not None and armed["generate"]:  # a client's connection: is it a generate request?
@@ -139,17 +157,21 @@ def test_the_only_server_killed_before_a_publish_and_then_mid_generate_heals_eac
         return pump(self, source, sink, target)
 
     monkeypatch.setattr(Forwarder, "_pump", forward_then_maybe_die)
+    plan = ["before publish", "mid-generate", "mid-push"]
 
     class Moments(TrainerCallback):
         def on_step_end(self, args, train_state, control, **kwargs):
-            if train_state.global_step == 2:
-                armed["publish"] = True  # a publish at this step's end finds it dead
-            elif server.kills == ["before publish"] and lane_state(trainer, 0) == "attached" and not fired:
-                fired.append(True)
-                armed["generate"] = True  # re-attached: the next generate request kills it
+            done = len(server.kills)
+            if done == len(plan) or any(armed.values()) or lane_state(trainer, 0) != "attached":
+                return
+            if len(reattached_at) < done:  # (the first kill needs no re-attach before it)
+                return
+            if train_state.global_step >= 2:
+                armed[{"before publish": "publish", "mid-generate": "generate", "mid-push": "push"}[plan[done]]] = True
 
-    args = _vllm_args(tmp_path, url.url, max_steps=10, max_staleness=1, rollout_heartbeat_timeout_s=3,
-                      rollout_vllm_retry_s=300, rollout_trajectory_file="traj.jsonl")  # fmt: skip
+    args = _vllm_args(tmp_path, url.url, max_steps=14, max_staleness=1, rollout_heartbeat_timeout_s=3,
+                      rollout_vllm_retry_s=300, weight_sync_bucket_mb=0.05,
+                      rollout_trajectory_file="traj.jsonl")  # fmt: skip
     trainer = VersionedTrainer(model=vllm_model_dir, reward_funcs=_reward, args=args, train_dataset=_dataset(),
                                callbacks=[Moments()])  # fmt: skip
     try:
@@ -157,9 +179,9 @@ def test_the_only_server_killed_before_a_publish_and_then_mid_generate_heals_eac
     finally:
         url.close()
         server.stop()
-    assert server.kills == ["before publish", "mid-generate"]
-    assert [r["url"] for r in trainer.last_rollout_pool.backend.reattached] == [url.url, url.url]
-    check_run(trainer, tmp_path, 10, 8, 1, vllm_model_dir, reattached_at[-1])
+    assert server.kills == plan
+    assert [r["url"] for r in trainer.last_rollout_pool.backend.reattached] == [url.url] * 3
+    check_run(trainer, tmp_path, 14, 8, 1, vllm_model_dir, reattached_at[-1])
 
 
 def test_two_servers_one_killed_mid_push_then_the_other_during_the_re_attach_probe(
@@ -172,19 +194,7 @@ def test_two_servers_one_killed_mid_push_then_the_other_during_the_re_attach_pro
     first, second = (Restartable(s, vllm_model_dir, tmp_path) for s in vllm_pair_to_heal)
     reattached_at = record_reattaches(monkeypatch)
     armed = {"push": False, "probe": False}
-    send = weights_module.send_buckets
-
-    def send_then_maybe_die(group, buckets):
-        def stream():
-            for i, bucket in enumerate(buckets):
-                if i == 1 and armed["push"]:
-                    armed["push"] = False
-                    second.kill("mid-push")  # after the first bucket went out
-                yield bucket
-
-        return send(group, stream())
-
-    monkeypatch.setattr(weights_module, "send_buckets", send_then_maybe_die)
+    kill_after_the_first_bucket(monkeypatch, armed, second)
     generate = VLLMServer.generate
 
     def generate_or_die(self, prompt_ids, params, *args, **kwargs):

@@ -20,7 +20,7 @@ from .cores import allowed_cores, parse_cpu_list, split_cores
 from .engine_choice import rollout_engine
 from .generation_modes import refused_generation_kwargs
 from .precision import NativePrecision
-from .sampling import SAMPLER_FIELDS, refused_sampling
+from .sampling import SAMPLER_FIELDS, VLLM_GREEDY_BELOW, refused_sampling
 
 ROLLOUT_BACKENDS = ("transformers", "vllm")
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
@@ -385,6 +385,13 @@ class AsyncFields:
             "'n' (vLLM's completions per request) would replace num_generations behind the trainer's back, and each "
             "group would hold a different number of completions than GRPOTrainer's advantages assume: remove 'n' and "
             "set num_generations",
+        )
+        engine_temperature = (getattr(self, "generation_kwargs", None) or {}).get("temperature")
+        need(
+            self.rollout_backend != "vllm" or engine_temperature is None or engine_temperature >= VLLM_GREEDY_BELOW,
+            "generation_kwargs",
+            f"temperature={engine_temperature} makes vLLM sample greedily, and vLLM then refuses more than one "
+            "completion per request (num_generations): use a temperature of at least 1e-5",
         )
         beams = (getattr(self, "generation_kwargs", None) or {}).get("num_beams") or 1
         sampler_fields = {name: getattr(self, name, None) for name in SAMPLER_FIELDS}

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 SAMPLER_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")  # GRPOConfig's
-VLLM_GREEDY_BELOW = 1e-5  # vLLM samples greedily below this temperature (its _SAMPLING_EPS)
+VLLM_GREEDY_BELOW = 1e-5  # vLLM samples greedily below this temperature (its _SAMPLING_EPS), and then only n = 1
 
 # transformers warpers beyond GRPOConfig's fields, rebuilt on the transformers engine through transformers itself
 EXTRA_TRANSFORMERS_WARPERS = ("typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
@@ -85,19 +85,18 @@ def settings_of(engine: str, params: Mapping) -> SamplingSettings:
     """The settings in a transformers ``GenerationConfig`` (as a dict, or its ``to_dict()``) or a vLLM sampling
     parameter dict."""
     top_k = int(_number(params.get("top_k"), 0))
-    temperature = float(_number(params.get("temperature"), 1.0))
+    temperature = float(_number(params.get("temperature"), 1.0))  # (vLLM's greedy, below 1e-5, is refused: config)
     extra = ()
     if engine == "transformers":
         neutral = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None}
         extra = tuple((name, params[name]) for name in EXTRA_TRANSFORMERS_WARPERS
                       if params.get(name) is not None and params[name] != neutral[name])  # fmt: skip
-    greedy = engine == "vllm" and temperature < VLLM_GREEDY_BELOW  # vLLM: no temperature, no truncation
     return SamplingSettings(
         engine=engine,
-        temperature=1.0 if greedy else temperature,
-        top_k=0 if greedy else max(top_k, 0),
-        top_p=1.0 if greedy else float(_number(params.get("top_p"), 1.0)),
-        min_p=0.0 if greedy else float(_number(params.get("min_p"), 0.0)),
+        temperature=temperature,
+        top_k=max(top_k, 0),
+        top_p=float(_number(params.get("top_p"), 1.0)),
+        min_p=float(_number(params.get("min_p"), 0.0)),
         repetition_penalty=float(_number(params.get("repetition_penalty"), 1.0)),
         extra_warpers=extra,
         min_new_tokens=int(_number(params.get("min_new_tokens" if engine == "transformers" else "min_tokens"), 0)),

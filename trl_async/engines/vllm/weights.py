@@ -194,6 +194,7 @@ class VLLMWeightPusher:
         self.specs = specs
         self.last_phases: dict[str, float] = {}
         self.pushes = 0
+        self._open = False  # a send under way (or one that broke off): see settle()
         client = FanOutClient(self.servers)
         if transport == "nccl":
             self.sender = NCCLSender(client, specs)
@@ -208,16 +209,20 @@ class VLLMWeightPusher:
         settle = getattr(self.sender, "settle", None)
         if settle is not None:
             settle()
-        for server in self.servers:
-            with contextlib.suppress(Exception):  # (a dead one fails here; so may a reload that got no weights)
-                server.finish_weight_update(None)
+        if self._open:  # the send broke off between start_weight_update and finish_weight_update
+            self._open = False
+            for server in self.servers:
+                with contextlib.suppress(Exception):  # (a dead one fails here; so may a reload that got no weights)
+                    server.finish_weight_update(None)
 
     def push(self, buckets: Buckets, version: int, pause_mode: str) -> float:
         """Returns the seconds it took; ``last_phases`` holds the seconds of each phase (for benchmarks)."""
         marks = [time.perf_counter()]
         _all(self.servers, lambda s: s.pause(pause_mode))
         marks.append(time.perf_counter())
+        self._open = True
         self.sender.send(buckets, self.specs, version)  # on failure the servers stay paused: their weights are mixed
+        self._open = False
         marks.append(time.perf_counter())
         _all(self.servers, lambda s: s.reset_prefix_cache())  # cached KV is the old weights'
         _all(self.servers, lambda s: s.resume())
