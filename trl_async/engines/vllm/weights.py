@@ -112,7 +112,6 @@ class GlooSender:
             pool.shutdown(wait=False)  # after a failed broadcast the request may never return; don't wait for it
         self.client.finish_weight_update(str(version))
 
-
     def settle(self) -> None:
         """After a broadcast that broke off (a member died): the other servers stay blocked in their receive until
         the group's timeout. Wait for their calls to end (bounded), so that a new group finds them free, not wedged."""
