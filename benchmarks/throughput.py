@@ -1,5 +1,5 @@
 """Throughput: TRL's synchronous GRPOTrainer vs AsyncGRPOTrainer, same model, task, batch, sampling and steps, in one
-run, interleaved, on this machine's cores, in the regimes users meet. See ../shared/BENCHMARKING.md.
+run, interleaved, on this machine's cores, in the regimes users meet.
 
     python benchmarks/throughput.py --quick   # ~5 min: one repeat, fewer steps
     python benchmarks/throughput.py           # two interleaved repeats, more steps

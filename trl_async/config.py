@@ -38,7 +38,7 @@ def available_cores() -> int:
 
 @dataclass
 class AsyncFields:
-    """The async-only settings. Three of them are the dials of async RL (DESIGN.md): ``max_staleness``,
+    """The async-only settings. Three of them are the dials of async RL: ``max_staleness``,
     ``rollout_batch_groups`` and ``weight_sync_steps``."""
 
     rollout_backend: Literal["transformers", "vllm"] | None = field(

@@ -8,7 +8,7 @@ Why flags and not a timed probe: the answer is needed at construction, before an
 same on a busy machine as on a quiet one; a probe of a few milliseconds is noisy on 2 shared cores, and the flags
 are exactly what oneDNN dispatches on (``torch.cpu._is_avx512_bf16_supported`` is the same test).
 
-Measured (``shared/CPU_FACTS.md``): on an AVX2-only AMD EPYC, one forward+backward of SmolLM2-135M under bf16
+Measured (``benchmarks/forward_backward.py``): on an AVX2-only AMD EPYC, one forward+backward of SmolLM2-135M under bf16
 autocast took 347 s against 13.3 s in float32 (26x slower); on an AMX Xeon, bf16 autocast trained 1.6x faster.
 """
 

@@ -1,6 +1,6 @@
 """Versions, staleness and admission control: the subtle rules, each one pure function.
 
-Definitions (DESIGN.md):
+Definitions:
   * a policy version is the number of optimizer steps applied to the weights (``trainer.state.global_step`` when they
     were published);
   * a token's staleness is ``consumer_version - token_version``, where ``consumer_version`` is the trainer's version
