@@ -91,10 +91,19 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.group is None:
             raise RuntimeError("gloo weight transfer not initialised: call /init_weight_transfer_engine first")
-        for bucket in receive_buckets(
-            self.group, update_info.names, update_info.dtype_names, update_info.shapes, self.bucket_bytes
-        ):
-            self.model.load_weights(bucket)
+        try:
+            for bucket in receive_buckets(
+                self.group, update_info.names, update_info.dtype_names, update_info.shapes, self.bucket_bytes
+            ):
+                self.model.load_weights(bucket)
+        except BaseException:
+            # a transfer that broke off (the trainer or another server died): vLLM ends the update session but
+            # leaves the layer-wise reload that start_weight_update opened, and the next start would wrap the
+            # loaders again and break them. Close it: each layer keeps what it received, or its old weights.
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+            raise
 
     def shutdown(self) -> None:
         self.group = None

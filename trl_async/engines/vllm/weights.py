@@ -193,7 +193,6 @@ class VLLMWeightPusher:
         self.specs = specs
         self.last_phases: dict[str, float] = {}
         self.pushes = 0
-        self._open = False  # a send under way (or one that broke off): see settle()
         client = FanOutClient(self.servers)
         if transport == "nccl":
             self.sender = NCCLSender(client, specs)
@@ -201,27 +200,19 @@ class VLLMWeightPusher:
             self.sender = GlooSender(client, bucket_bytes, timeout_s)
 
     def settle(self) -> None:
-        """After a failed push: wait until no server is still busy with it (``GlooSender.settle``), then close the
-        update it left open on each server still there (vLLM's layer-wise reload, begun by ``start_weight_update``,
-        must be finished before another can start). They stay paused, with half a version, until they are
-        re-attached."""
+        """After a failed push: wait until no server is still busy with it (``GlooSender.settle``). Each closes the
+        update itself when its receive fails (``gloo_engine.py``) and stays paused, with half a version, until it
+        is re-attached."""
         settle = getattr(self.sender, "settle", None)
         if settle is not None:
             settle()
-        if self._open:  # the send broke off between start_weight_update and finish_weight_update
-            self._open = False
-            for server in self.servers:
-                with contextlib.suppress(Exception):  # (a dead one fails here; so may a reload that got no weights)
-                    server.finish_weight_update(None)
 
     def push(self, buckets: Buckets, version: int, pause_mode: str) -> float:
         """Returns the seconds it took; ``last_phases`` holds the seconds of each phase (for benchmarks)."""
         marks = [time.perf_counter()]
         _all(self.servers, lambda s: s.pause(pause_mode))
         marks.append(time.perf_counter())
-        self._open = True
         self.sender.send(buckets, self.specs, version)  # on failure the servers stay paused: their weights are mixed
-        self._open = False
         marks.append(time.perf_counter())
         _all(self.servers, lambda s: s.reset_prefix_cache())  # cached KV is the old weights'
         _all(self.servers, lambda s: s.resume())
