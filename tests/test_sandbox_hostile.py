@@ -1,0 +1,232 @@
+"""Hostile programs in the sandbox: each is contained, the result says why, nothing is left running, the planted
+secret never shows, and no file outside the sandbox changes."""
+
+import os
+import socket
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from trl_async.sandbox import Limits, Sandbox
+from trl_async.sandbox.runner import MAX_CONCURRENCY, UID_BASE
+
+PROJECT = Path(__file__).resolve().parents[1]
+SECRET_NAME = "TRL_ASYNC_PLANTED_SECRET"
+LIMITS = Limits(wall_s=4, cpu_s=2, memory_mib=256, processes=16, output_bytes=4096, file_mib=4, disk_mib=16)
+
+
+def sandbox_processes() -> list[str]:
+    """Every process on the machine owned by a sandbox uid."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            uid = os.stat(f"/proc/{entry}").st_uid
+        except FileNotFoundError:
+            continue
+        if UID_BASE <= uid < UID_BASE + MAX_CONCURRENCY * (1 << 16):
+            found.append(entry)  # zombies included: the launcher reaps everything it killed before it reports
+    return found
+
+
+def processes_named(marker: str) -> list[str]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and marker in Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace"):
+                found.append(entry)
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return found
+
+
+def snapshot(folder: Path) -> dict:
+    return {str(p): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def world(tmp_path, monkeypatch):
+    """What a program might attack: a secret in the trainer's environment, a folder of the trainer's files, a
+    listener on loopback and a process of the trainer's."""
+    secret = "planted-" + uuid.uuid4().hex
+    monkeypatch.setenv(SECRET_NAME, secret)
+    guarded = tmp_path / "trainer_files"
+    guarded.mkdir()
+    (guarded / "precious.txt").write_text("keep me")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    listener.settimeout(0.2)
+    victim = subprocess.Popen(["sleep", "600"])
+    world = dict(
+        secret=secret,
+        guarded=guarded,
+        port=listener.getsockname()[1],
+        victim=victim.pid,
+        marker=f"4242.{uuid.uuid4().int % 10**6}",
+        before=snapshot(guarded),
+        listener=listener,
+    )
+    yield world
+    victim.kill()
+    victim.wait()
+    listener.close()
+
+
+CASES = {
+    "loops_forever": "while True:\n    pass\n",
+    "fork_bomb": "import os\nwhile True:\n    os.fork()\n",
+    "allocates_until_killed": "blocks = []\nwhile True:\n    blocks.append(bytearray(1 << 24))\n",
+    "fills_the_disk": (
+        "import itertools\n"
+        "for i in itertools.count():\n"
+        "    with open(f'fill{{i}}', 'wb') as f:\n"
+        "        f.write(b'0' * (2 << 20))\n"
+    ),
+    "writes_outside": (
+        "import os\n"
+        "done = []\n"
+        "for path in ['{guarded}/precious.txt', '{guarded}/new.txt', '/etc/passwd', '/usr/pwned', '/pwned',\n"
+        "             '{project}/pwned.txt', '/root/pwned', '/dev/shm/../pwned']:\n"
+        "    try:\n"
+        "        with open(path, 'a') as f:\n"
+        "            f.write('pwned')\n"
+        "        done.append(path)\n"
+        "    except OSError as exc:\n"
+        "        print('refused', path, type(exc).__name__)\n"
+        "print('WROTE', done)\n"
+    ),
+    "reads_environment": (
+        "import os, glob\n"
+        "print(dict(os.environ))\n"
+        "for path in ['/proc/self/environ', '/proc/1/environ', '/proc/{trainer}/environ'] + glob.glob('/proc/*/environ'):\n"
+        "    try:\n"
+        "        print(open(path, 'rb').read())\n"
+        "    except OSError as exc:\n"
+        "        print('refused', path, type(exc).__name__)\n"
+    ),
+    "connects_to_loopback": (
+        "import socket\n"
+        "s = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+        "s.sendall(b'hello')\n"
+        "print('CONNECTED')\n"
+    ),
+    "signals_its_parent": (
+        "import os, signal\n"
+        "for pid in [os.getppid(), 1, {trainer}, {victim}]:\n"
+        "    try:\n"
+        "        os.kill(pid, signal.SIGKILL)\n"
+        "        print('SIGNALLED', pid)\n"
+        "    except OSError as exc:\n"
+        "        print('refused', pid, type(exc).__name__)\n"
+        "try:\n"
+        "    os.kill(-1, signal.SIGKILL)\n"
+        "except OSError as exc:\n"
+        "    print('refused -1', type(exc).__name__)\n"
+    ),
+    "floods_stdout": "while True:\n    print('x' * 1000)\n",
+    "leaves_a_sleeping_child": (
+        "import os, subprocess\n"
+        "subprocess.Popen(['/bin/sleep', '{marker}'], start_new_session=True)\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    os.execv('/bin/sleep', ['/bin/sleep', '{marker}'])\n"
+        "print('LEFT')\n"
+    ),
+    "imports_the_trainer": (
+        "import sys\n"
+        "sys.path[:0] = ['{project}', '{site}']\n"
+        "for name in ['trl_async', 'torch', 'trl']:\n"
+        "    try:\n"
+        "        __import__(name)\n"
+        "        print('IMPORTED', name)\n"
+        "    except ImportError as exc:\n"
+        "        print('refused', name, type(exc).__name__)\n"
+    ),
+}
+
+
+def program(case: str, world: dict) -> str:
+    import site
+
+    return CASES[case].format(
+        guarded=world["guarded"],
+        project=PROJECT,
+        trainer=os.getpid(),
+        victim=world["victim"],
+        port=world["port"],
+        marker=world["marker"],
+        site=site.getsitepackages()[0],
+    )
+
+
+def check_contained(case: str, result, world: dict) -> None:
+    """The case-specific verdict: contained, and the result says why."""
+    out = result.stdout
+    if case == "loops_forever":
+        assert result.timed_out and "cpu_time" in result.limits
+    elif case == "fork_bomb":
+        assert "processes" in result.limits
+    elif case == "allocates_until_killed":
+        assert "memory" in result.limits and "MemoryError" in result.stderr
+    elif case == "fills_the_disk":
+        assert result.limits == ("disk",)
+    elif case == "writes_outside":
+        assert "WROTE []" in out, out
+    elif case == "connects_to_loopback":
+        assert "CONNECTED" not in out and result.exit_code != 0
+        with pytest.raises(TimeoutError):
+            world["listener"].accept()
+    elif case == "signals_its_parent":
+        assert "SIGNALLED" not in out and result.ok, out
+        os.kill(world["victim"], 0)  # still alive
+    elif case == "floods_stdout":
+        assert result.limits == ("output",) and len(result.stdout) == LIMITS.output_bytes
+    elif case == "leaves_a_sleeping_child":
+        assert result.ok and "LEFT" in out
+    elif case == "imports_the_trainer":
+        assert "IMPORTED" not in out and out.count("ModuleNotFoundError") == 3, out
+
+
+def check_nothing_escaped(result, world: dict) -> None:
+    assert not sandbox_processes(), "a sandboxed process outlived its run"
+    assert not processes_named(world["marker"])
+    assert world["secret"] not in result.stdout + result.stderr
+    assert snapshot(world["guarded"]) == world["before"]
+    assert not (PROJECT / "pwned.txt").exists() and not Path("/pwned").exists() and not Path("/usr/pwned").exists()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_hostile_program_is_contained_in_namespaces(case, world):
+    sandbox = Sandbox(limits=LIMITS, isolation="namespaces")
+    result = sandbox.run_python(program(case, world))
+    check_contained(case, result, world)
+    check_nothing_escaped(result, world)
+    assert result.seconds < LIMITS.wall_s + 2
+
+
+RLIMITS_CONTAINS = [
+    "loops_forever",
+    "fork_bomb",
+    "allocates_until_killed",
+    "floods_stdout",
+    "leaves_a_sleeping_child",
+    "reads_environment",
+]
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0,
+    reason="rlimits contain a fork bomb and new sessions through a uid of their own, which takes a root trainer",
+)
+@pytest.mark.parametrize("case", RLIMITS_CONTAINS)
+def test_rlimits_contain_what_they_claim(case, world):
+    result = Sandbox(limits=LIMITS, isolation="rlimits").run_python(program(case, world))
+    if case == "reads_environment":  # the program's own environment is scrubbed; /proc is the host's
+        assert world["secret"] not in result.stdout
+    else:
+        check_contained(case, result, world)
+    check_nothing_escaped(result, world)

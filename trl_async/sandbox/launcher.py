@@ -1,0 +1,292 @@
+"""The sandbox's first process: builds the program's world, starts it, enforces its wall clock, reports, cleans up.
+
+Run as a file (``python -I -S launcher.py``) with a JSON spec on stdin. It imports nothing outside the standard
+library, so it never loads the trainer's code. With ``"namespaces"`` it runs as the init process (pid 1) of fresh
+PID, mount, network, IPC and UTS namespaces made by util-linux ``unshare``; with ``"rlimits"`` it runs as a plain
+child of the trainer.
+
+Steps, in order:
+1. (namespaces) a fresh root: a small tmpfs holding read-only bind mounts of the system directories and the Python
+   installation, empty read-only mounts over every ``site-packages`` and the trainer's own paths, a few device nodes,
+   a ``/proc`` of the new PID namespace, and one size-capped tmpfs shared by ``/sandbox`` (the working directory)
+   and ``/tmp``; then ``chroot`` into it.
+2. The program's files and stdin.
+3. A child that sets resource limits, drops privileges (another uid when the launcher is real root, every
+   capability and ``no_new_privs`` otherwise), then executes the program with a scrubbed environment.
+4. Wait for it until the wall clock runs out; then kill everything left (in its own PID namespace: every process
+   but this one; otherwise every process of the run's uid, or its process group), reap it all (the launcher is a
+   child subreaper, so orphans come back to it), and write ``{"exit": ..., "signal": ..., "timed_out": ...}`` to the
+   status pipe. A setup failure writes ``{"setup_error": ...}`` instead.
+"""
+
+import ctypes
+import json
+import os
+import resource
+import select
+import signal
+import sys
+import time
+
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 21
+MNT_DETACH = 2
+PR_SET_NO_NEW_PRIVS, PR_SET_SECUREBITS, PR_CAPBSET_DROP, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 38, 28, 24, 4, 36
+SECBIT_NOROOT_ALL = 0x3 | 0xC | 0x30  # noroot, no_setuid_fixup, keep_caps_locked (each with its lock)
+DEVICES = ("null", "zero", "full", "random", "urandom")
+LIMITS = {
+    "cpu_s": resource.RLIMIT_CPU,
+    "memory_bytes": resource.RLIMIT_AS,
+    "processes": resource.RLIMIT_NPROC,
+    "file_bytes": resource.RLIMIT_FSIZE,
+    "open_files": resource.RLIMIT_NOFILE,
+}
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+
+def mount(source, target: str, fstype, flags: int, data=None) -> None:
+    enc = lambda s: None if s is None else s.encode()  # noqa: E731
+    _check(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {target}")
+
+
+def _kept_flags(path: str) -> int:
+    """The flags of the mount holding ``path`` that a read-only remount must keep (a user namespace may not drop
+    them)."""
+    f = os.statvfs(path).f_flag
+    pairs = (
+        (os.ST_NOSUID, MS_NOSUID),
+        (os.ST_NODEV, MS_NODEV),
+        (os.ST_NOEXEC, MS_NOEXEC),
+        (os.ST_NOATIME, MS_NOATIME),
+        (os.ST_NODIRATIME, MS_NODIRATIME),
+        (os.ST_RELATIME, MS_RELATIME),
+    )
+    return sum(ms for st, ms in pairs if f & st)
+
+
+def _mount_points_under(path: str) -> list[str]:
+    points = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            point = line.split()[4].encode().decode("unicode_escape")
+            if point.startswith(path.rstrip("/") + "/"):
+                points.append(point)
+    return sorted(points)
+
+
+def bind_read_only(source: str, target: str) -> None:
+    """Bind ``source`` (with the mounts below it) at ``target``, every one of them read-only and nosuid."""
+    mount(source, target, None, MS_BIND | MS_REC)
+    for point in [target, *_mount_points_under(target)]:
+        try:
+            mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | _kept_flags(point))
+        except OSError:
+            if point == target:
+                raise
+
+
+def build_root(spec: dict) -> None:
+    root, uid = spec["root"], spec["uid"]
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    for path in spec["binds"]:
+        if not os.path.lexists(path):
+            continue
+        inside = root + path
+        os.makedirs(os.path.dirname(inside), exist_ok=True)
+        if os.path.islink(path) and os.path.dirname(path) == "/":  # /bin -> usr/bin on merged-/usr systems
+            os.symlink(os.readlink(path), inside)
+        elif os.path.isdir(path):
+            os.makedirs(inside, exist_ok=True)
+            bind_read_only(path, inside)
+    for path in spec["hide"]:
+        if os.path.isdir(root + path):
+            mount("tmpfs", root + path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=555")
+    os.makedirs(root + "/dev", exist_ok=True)
+    for name in DEVICES:
+        open(root + "/dev/" + name, "w").close()
+        mount("/dev/" + name, root + "/dev/" + name, None, MS_BIND)
+    os.symlink("/tmp", root + "/dev/shm")
+    os.mkdir(root + "/proc")
+    try:  # refused where the outer /proc is partly masked (some containers); Python runs without it
+        mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    except OSError:
+        pass
+    scratch = root + "/.scratch"
+    os.mkdir(scratch)
+    mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['disk_bytes']},mode=755")
+    for name, mode in (("sandbox", 0o700), ("tmp", 0o1777)):
+        os.mkdir(scratch + "/" + name)
+        os.chmod(scratch + "/" + name, mode)
+        os.mkdir(root + "/" + name)
+        mount(scratch + "/" + name, root + "/" + name, None, MS_BIND)
+    os.chown(root + "/sandbox", uid, uid)
+    _check(_libc.umount2(scratch.encode(), MNT_DETACH), "umount scratch")
+    os.rmdir(scratch)
+    mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    os.chroot(root)
+
+
+def write_files(spec: dict, workdir: str) -> None:
+    for name, text in spec["files"].items():
+        path = os.path.join(workdir, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+        if spec["drop_uid"]:
+            os.chown(path, spec["uid"], spec["uid"])
+    if spec["drop_uid"]:
+        os.chown(workdir, spec["uid"], spec["uid"])
+        for dirpath, dirnames, _ in os.walk(workdir):
+            for d in dirnames:
+                os.chown(os.path.join(dirpath, d), spec["uid"], spec["uid"])
+
+
+def stdin_fd(data: str) -> int:
+    fd = os.memfd_create("stdin", 0)
+    os.write(fd, data.encode())
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def drop_privileges(spec: dict) -> None:
+    """Everything that only takes away: no capability survives the exec, and none can be regained."""
+    for cap in range(64):
+        _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)  # EINVAL past the last capability; EPERM without CAP_SETPCAP
+    if spec["drop_uid"]:
+        os.setgroups([])
+        os.setresgid(spec["uid"], spec["uid"], spec["uid"])
+        os.setresuid(spec["uid"], spec["uid"], spec["uid"])
+    elif spec["isolation"] == "namespaces":  # root of a user namespace: uid 0 must not bring capabilities back
+        _check(_libc.prctl(PR_SET_SECUREBITS, SECBIT_NOROOT_ALL, 0, 0, 0), "securebits")
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+
+
+def start_program(spec: dict, workdir: str, status_fd: int) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        os.close(status_fd)
+        if spec["isolation"] == "rlimits":
+            os.setpgid(0, 0)
+        os.chdir(workdir)
+        fd = stdin_fd(spec["stdin"])
+        os.dup2(fd, 0)
+        for key, which in LIMITS.items():
+            value = spec["limits"][key]
+            hard = value + 1 if key == "cpu_s" else value  # SIGXCPU at the soft limit, SIGKILL a second later
+            resource.setrlimit(which, (value, hard))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        drop_privileges(spec)
+        os.execve(spec["argv"][0], spec["argv"], spec["env"])
+    except BaseException as exc:  # noqa: BLE001 - reported as the program's failure to start
+        os.write(2, f"sandbox: the program could not start: {exc}\n".encode())
+    os._exit(127)
+
+
+def wait_for(pid: int, deadline: float) -> tuple[int | None, bool]:
+    """The program's wait status, reaping any orphan re-parented here meanwhile; ``(None, True)`` at the deadline."""
+    pidfd = os.pidfd_open(pid)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None, True
+        select.select([pidfd], [], [], left)
+        while True:
+            try:
+                reaped, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return None, False
+            if reaped == pid:
+                return status, False
+            if reaped == 0:
+                break
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process of ``uid`` (the run's own uid), from a child that takes that uid: ``kill(-1)`` reaches
+    all of them, new sessions included, and the child itself."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setresuid(uid, uid, uid)
+            os.kill(-1, signal.SIGKILL)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
+def _owned_by(uid: int) -> bool:
+    """Whether a live (not zombie) process of ``uid`` remains."""
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and os.stat("/proc/" + entry).st_uid == uid:
+                with open(f"/proc/{entry}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                        return True
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            pass
+    return False
+
+
+def kill_all(spec: dict, pid: int) -> None:
+    """Kill whatever the program left: in its PID namespace every process but this one; otherwise every process of
+    its uid (a root trainer) or of its process group."""
+    try:
+        if spec["isolation"] == "namespaces":
+            os.kill(-1, signal.SIGKILL)  # as PID 1: every other process of this namespace
+        elif spec["drop_uid"]:
+            for _ in range(100):  # a fork racing the sweep can survive one pass
+                _kill_uid(spec["uid"])
+                if not _owned_by(spec["uid"]):
+                    break
+        else:
+            os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:  # nothing left
+        pass
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
+def main() -> None:
+    spec = json.loads(sys.stdin.read())
+    status_fd = spec["status_fd"]
+    os.set_inheritable(status_fd, False)
+    _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of the program come here, to be killed and reaped
+    try:
+        if spec["isolation"] == "namespaces":
+            build_root(spec)
+            workdir = "/sandbox"
+        else:
+            workdir = spec["root"]
+        write_files(spec, workdir)
+        start = time.monotonic()
+        pid = start_program(spec, workdir, status_fd)
+    except BaseException as exc:  # noqa: BLE001
+        os.write(status_fd, json.dumps({"setup_error": f"{type(exc).__name__}: {exc}"}).encode())
+        sys.exit(1)
+    status, timed_out = wait_for(pid, start + spec["wall_s"])
+    kill_all(spec, pid)
+    report = {"timed_out": timed_out, "exit": None, "signal": None, "seconds": time.monotonic() - start}
+    if status is not None:
+        if os.WIFSIGNALED(status):
+            report["signal"] = os.WTERMSIG(status)
+        else:
+            report["exit"] = os.WEXITSTATUS(status)
+    os.write(status_fd, json.dumps(report).encode())
+
+
+if __name__ == "__main__":
+    main()
