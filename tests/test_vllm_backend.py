@@ -110,7 +110,9 @@ def test_a_server_that_cannot_serve_the_adapters_is_named_with_the_flag_to_add()
     assert "--lora-target-modules), not ['down_proj']" in lora_blocker(only_q, url, 16, leaves)
     packed = info({"max_lora_rank": 16, "target_modules": ["qkv_proj", "down_proj"]})
     assert lora_blocker(packed, url, 16, leaves) is None
-    assert "not ['q_proj', 'v_proj']" in lora_blocker(info({"max_lora_rank": 16, "target_modules": ["down_proj"]}), url, 16, leaves)
+    assert "not ['q_proj', 'v_proj']" in lora_blocker(
+        info({"max_lora_rank": 16, "target_modules": ["down_proj"]}), url, 16, leaves
+    )
 
 
 def test_cut_after_first_eos():
@@ -642,3 +644,43 @@ def test_a_generation_longer_than_the_request_timeout_is_waited_for_and_sent_onc
     assert len(reply["choices"]) == 32 and all(len(c["token_ids"]) == 200 for c in reply["choices"])
     time.sleep(0.5)  # the access log line of the request
     assert generate_requests() - before == 1, f"sent {generate_requests() - before} times in {took:.1f}s"
+
+
+def non_loopback_address() -> str | None:
+    """An address of this machine's own that is not loopback (a UDP connect sends nothing), or None."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: only the route is looked up
+        except OSError:
+            return None
+        address = s.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+@pytest.mark.unit
+def test_the_server_command_listens_on_loopback_unless_a_host_is_given(monkeypatch):
+    from trl_async import vllm_serve
+
+    ran = []
+    monkeypatch.setattr(vllm_serve.os, "execv", lambda path, command: ran.append(command))
+    vllm_serve.main(["--model", "m"])
+    vllm_serve.main(["--model", "m", "--host", "10.0.0.5"])
+    assert [c[c.index("--host") + 1] for c in ran] == ["127.0.0.1", "10.0.0.5"]
+
+
+def test_a_started_server_is_reachable_on_loopback_only(vllm_server):
+    """The server started by ``python -m trl_async.vllm_serve`` without ``--host``: its dev-mode routes answer on
+    127.0.0.1 and nowhere else."""
+    import socket
+    from urllib.parse import urlparse
+
+    port = urlparse(vllm_server.url).port
+    address = non_loopback_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback address")
+    with socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((address, port), timeout=5).close()

@@ -66,7 +66,7 @@ def start_server(model_dir: str, log: Path, startup_s: float = 300.0, extra_flag
         env["VLLM_SERVER_DEV_MODE"] = "1"  # as `trl vllm-serve` sets it
         command += trl_vllm_serve_command(str(python), model_dir, port, list(extra_flags))
     else:
-        command += [str(python), "-m", "trl_async.vllm_serve", "--model", model_dir, "--host", "127.0.0.1"]
+        command += [str(python), "-m", "trl_async.vllm_serve", "--model", model_dir]  # its default host: loopback
         command += ["--port", str(port), "--transport", "gloo", "--", *CPU_FLAGS, *extra_flags]
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -11,6 +11,12 @@ the server's environment, ``pip install --no-deps trl_async``). ``VLLM_ALLOW_RUN
 trainer load each version's LoRA adapter (adapter-only sync: add ``-- --enable-lora --max-lora-rank R --max-loras
 N``, with R at least the adapters' rank and N = max_staleness + 2, so that requests of every live version batch
 together). Arguments after ``--`` go to vLLM unchanged.
+
+The server listens on loopback (127.0.0.1) unless ``--host`` says otherwise. In dev mode anyone who reaches its port
+can replace the weights (``/update_weights``, ``/init_weight_transfer_engine``), run methods on its workers
+(``/collective_rpc``), and pause or sleep it; vLLM's ``--api-key`` guards only the ``/v1`` routes. For a trainer on
+another machine, pass that machine's private address (``--host 10.0.0.5``) on a network only the training job
+reaches, never a public one.
 """
 
 from __future__ import annotations
@@ -48,7 +54,11 @@ def main(argv: list[str] | None = None) -> None:
     ours = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default loopback only; a private address for trainers on other machines)",
+    )
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--transport", choices=("nccl", "gloo"), default="nccl")
     args = parser.parse_args(ours)
