@@ -1,6 +1,7 @@
 """Hostile programs in the sandbox: each is contained, the result says why, nothing is left running, the planted
 secret never shows, and no file outside the sandbox changes."""
 
+import json
 import os
 import socket
 import subprocess
@@ -230,3 +231,39 @@ def test_rlimits_contain_what_they_claim(case, world):
     else:
         check_contained(case, result, world)
     check_nothing_escaped(result, world)
+
+
+def test_training_goes_on_while_its_reward_runs_the_hostile_programs(tmp_path, tiny_model_dir, world):
+    """An actual training run whose "completions" are the hostile programs: each row names one, the reward runs it
+    in the sandbox (in place of what the tiny model wrote) and checks it was contained. Every step trains and logs,
+    and nothing escapes."""
+    import math
+
+    from datasets import Dataset
+
+    from trl_async import AsyncGRPOTrainer
+
+    from .conftest import async_args
+
+    sandbox = Sandbox(limits=LIMITS, isolation="namespaces")
+    names = list(CASES)
+    dataset = Dataset.from_list([{"prompt": f"q{i}:", "case": names[i % len(names)]} for i in range(12)])
+    ran = []
+
+    def hostile_reward(completions, case, **kwargs):
+        results = [sandbox.run_python(program(name, world)) for name in case]
+        for name, result in zip(case, results, strict=True):
+            check_contained(name, result, world)
+            ran.append((name, result.stdout + result.stderr))
+        return [float(result.ok) for result in results]
+
+    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=hostile_reward,
+                               args=async_args(tmp_path, max_steps=3, num_generations=2, rollout_timeout_s=120),
+                               train_dataset=dataset)  # fmt: skip
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert trainer.state.global_step == 3 and len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    assert len({name for name, _ in ran}) == len(names)  # every program ran at least once
+    assert world["secret"] not in json.dumps(trainer.state.log_history) + "".join(text for _, text in ran)
+    assert not sandbox_processes() and not processes_named(world["marker"])
+    assert snapshot(world["guarded"]) == world["before"]

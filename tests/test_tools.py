@@ -307,3 +307,25 @@ def test_tools_with_plain_text_prompts_fail_at_construction(tmp_path, tool_model
         AsyncGRPOTrainer(model=tool_model_dir, reward_funcs=Recorder(), processing_class=tokenizer_of(tool_model_dir),
                          args=async_args(tmp_path, **TOOL_SETTINGS),
                          train_dataset=Dataset.from_list([{"prompt": "What is 3 times 4?"}] * 3), tools=[multiply])  # fmt: skip
+
+
+def test_a_sandboxed_python_tool_answers_in_multi_turn_training(tmp_path, tool_model_dir):
+    """The model's tool call runs as a program in the sandbox (the ``python`` tool), and what it printed comes back
+    as the tool message, with TRL's call and failure counts."""
+    from trl_async.sandbox.rewards import python_tool
+
+    python = python_tool()
+
+    @as_multiply
+    def sandboxed_multiply(a: int, b: int) -> int:
+        return python(f"print({a!r} * {b!r}, end='')")
+
+    recorder = Recorder()
+    trainer = AsyncGRPOTrainer(model=tool_model_dir, reward_funcs=recorder, processing_class=tokenizer_of(tool_model_dir),
+                               args=async_args(tmp_path, **TOOL_SETTINGS, max_staleness=0),
+                               train_dataset=dataset(TRL_PROMPTS), tools=[sandboxed_multiply])  # fmt: skip
+    trainer.train()
+    assert tool_metrics(trainer) == [(pytest.approx(2 / 3), 0.5)] * 2
+    by_prompt = {p[-1]["content"]: c for ps, cs in recorder.seen for p, c in zip(ps, cs, strict=True)}
+    assert by_prompt["What is 3 times 4?"][1] == {"role": "tool", "name": "multiply", "content": "12"}
+    assert no_rollout_children()
