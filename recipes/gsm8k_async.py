@@ -26,11 +26,17 @@ can come from the YAML file given with ``--config`` and be overridden on the com
     # the local arithmetic word problems (trl_async.arithmetic), held-out greedy accuracy at every evaluation
     python recipes/gsm8k_async.py --config recipes/configs/arithmetic_cpu.yaml
 
-With ``--task arithmetic`` the data, rewards and held-out evaluation are ``trl_async.arithmetic``'s instead of GSM8K's.
+    # the same on a code task (trl_async.code_task): write small Python functions, rewarded by the fraction of their
+    # tests that pass when run in the sandbox (trl_async.sandbox); held-out pass rate before training and at every
+    # evaluation
+    python recipes/gsm8k_async.py --config recipes/configs/code_cpu.yaml
 
-Rewards: ``correctness`` (1 if the last number of the completion equals the reference answer after "####") and
-``format`` (1 if the completion ends with "#### <number>"). Both only parse strings with regular expressions; nothing
-generated is executed or evaluated.
+With ``--task arithmetic`` or ``--task code`` the data, rewards and held-out evaluation are ``trl_async.arithmetic``'s
+or ``trl_async.code_task``'s instead of GSM8K's.
+
+GSM8K's rewards: ``correctness`` (1 if the last number of the completion equals the reference answer after "####")
+and ``format`` (1 if the completion ends with "#### <number>"). Both only parse strings with regular expressions;
+nothing generated is executed or evaluated. The code task's reward executes generated code, in the sandbox only.
 """
 
 from __future__ import annotations
@@ -50,11 +56,12 @@ from datasets import load_dataset
 from transformers.hf_argparser import string_to_bool
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
-from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer, arithmetic
+from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer, arithmetic, code_task
 from trl_async.evaluation import GreedyAccuracyCallback
 from trl_async.precision import described_precision, recipe_precision
 from trl_async.pretrained import smollm2_135m_instruct
 from trl_async.progress import print_summary, run_summary, samples_per_step
+from trl_async.sandbox.rewards import CodeExecutionReward
 
 SYSTEM_PROMPT = (
     "Solve the math problem. Think step by step, then give the final answer on the last line as '#### <number>'."
@@ -76,11 +83,12 @@ class GSM8KArguments(ScriptArguments):
     task: str = field(
         default="gsm8k",
         metadata={
-            "help": "'gsm8k', or 'arithmetic': word problems generated locally (trl_async.arithmetic), train and "
-            "held-out templates, greedy held-out accuracy logged at every evaluation"
+            "help": "'gsm8k'; 'arithmetic': word problems generated locally (trl_async.arithmetic), train and "
+            "held-out templates, greedy held-out accuracy logged at every evaluation; 'code': small Python functions "
+            "(trl_async.code_task), scored by running their tests in the sandbox, held-out pass rate"
         },
     )
-    heldout_size: int = field(default=64, metadata={"help": "Held-out problems for --task arithmetic"})
+    heldout_size: int = field(default=64, metadata={"help": "Held-out problems for --task arithmetic or code"})
 
 
 def _to_number(text: str) -> float | None:
@@ -154,8 +162,8 @@ def make_parser(argv: list[str] | None = None) -> TrlParser:
 
 
 def main(script_args: GSM8KArguments, training_args: AsyncGRPOConfig, model_args: ModelConfig) -> dict:
-    if script_args.task not in ("gsm8k", "arithmetic"):
-        raise ValueError(f"--task {script_args.task!r}: choose 'gsm8k' or 'arithmetic'")
+    if script_args.task not in ("gsm8k", "arithmetic", "code"):
+        raise ValueError(f"--task {script_args.task!r}: choose 'gsm8k', 'arithmetic' or 'code'")
     training_args.model_init_kwargs = {
         "revision": model_args.model_revision,
         "attn_implementation": model_args.attn_implementation,
@@ -167,10 +175,15 @@ def main(script_args: GSM8KArguments, training_args: AsyncGRPOConfig, model_args
     if PartialState().is_main_process:
         print(f"precision: {precision}", flush=True)
     model = model_args.model_name_or_path or smollm2_135m_instruct()
-    if script_args.task == "arithmetic":
-        dataset = arithmetic.make_split("train", script_args.max_train_samples or 512, seed=training_args.seed)
-        heldout = arithmetic.make_split("heldout", script_args.heldout_size, seed=training_args.seed)
-        rewards = [arithmetic.correctness_reward, arithmetic.format_reward]
+    if script_args.task in ("arithmetic", "code"):
+        task = arithmetic if script_args.task == "arithmetic" else code_task
+        dataset = task.make_split("train", script_args.max_train_samples or 512, seed=training_args.seed)
+        heldout = task.make_split("heldout", script_args.heldout_size, seed=training_args.seed)
+        if task is arithmetic:
+            rewards, score = [arithmetic.correctness_reward, arithmetic.format_reward], arithmetic.correctness_reward
+        else:
+            rewards = [CodeExecutionReward()]  # the fraction of the row's tests passed, run in the sandbox
+            score = rewards[0]
     else:
         dataset, heldout, rewards = load_gsm8k(script_args), None, [correctness, format_reward]
     trainer = AsyncGRPOTrainer(
@@ -181,10 +194,12 @@ def main(script_args: GSM8KArguments, training_args: AsyncGRPOConfig, model_args
         eval_dataset=heldout,
         peft_config=get_peft_config(model_args),
     )
-    accuracy = None
+    accuracy = before = None
     if heldout is not None:
-        accuracy = GreedyAccuracyCallback(trainer, heldout, arithmetic.correctness_reward)
+        accuracy = GreedyAccuracyCallback(trainer, heldout, score)
         trainer.add_callback(accuracy)
+        if script_args.task == "code":
+            before = accuracy.measure()  # the pass rate before training
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     seconds = time.perf_counter() - start
@@ -199,6 +214,8 @@ def main(script_args: GSM8KArguments, training_args: AsyncGRPOConfig, model_args
     summary["precision"] = precision
     if accuracy is not None and accuracy.history:
         summary["heldout_greedy_accuracy"] = dict(accuracy.history)  # step -> accuracy, at every evaluation
+    if before is not None:
+        summary["heldout_greedy_accuracy_before"] = before
     print_summary(f"{script_args.task} async GRPO ({model})", summary)
     return summary
 

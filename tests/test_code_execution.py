@@ -32,9 +32,13 @@ def test_a_report_is_read_only_from_the_tokened_line():
     run = dict(exit_code=0, signal=None, stderr="", seconds=0.1, isolation="namespaces")
     forged = 'abc {"outcome": "ran", "passed": 9, "total": 9}\n'
     real = 'tok {"outcome": "ran", "passed": 1, "total": 4}\n'
-    assert parse_report(SandboxResult(stdout=forged + real, limits=(), **run), "tok")["passed"] == 1
-    assert parse_report(SandboxResult(stdout=forged, limits=(), **run), "tok")["outcome"] == "crashed"
-    assert parse_report(SandboxResult(stdout=real, limits=("wall_time",), **run), "tok")["outcome"] == "stopped"
+    assert parse_report(SandboxResult(stdout=forged + real, limits=(), **run), "tok", 4)["passed"] == 1
+    assert parse_report(SandboxResult(stdout=forged, limits=(), **run), "tok", 4)["outcome"] == "crashed"
+    assert parse_report(SandboxResult(stdout=real, limits=("wall_time",), **run), "tok", 4)["outcome"] == "stopped"
+    for bad in ['tok {"outcome": "ran", "passed": 1000, "total": 1}', 'tok {"outcome": "ran", "passed": "x", '
+                '"total": 4}', 'tok {"outcome": "ran", "passed": 1}', "tok nope", 'tok ["ran"]', 'tok {"outcome": 1}',
+                'tok {"outcome": "ran", "passed": 9, "total": 9}']:  # fmt: skip
+        assert parse_report(SandboxResult(stdout=bad, limits=(), **run), "tok", 4)["outcome"] == "crashed", bad
     assert score({"outcome": "ran", "passed": 1, "total": 4}) == 0.25
     assert score({"outcome": "syntax_error"}) == score({"outcome": "ran", "passed": 0, "total": 0}) == 0.0
 
@@ -70,13 +74,22 @@ def test_the_reward_is_the_fraction_of_tests_passed_and_failures_are_counted():
         fenced("while True:\n    pass"),  # stopped by the CPU limit
         fenced("print('noise')\ndef f(x):\n    return 1 if x == 0 else 2 * x"),  # 3 of 3
         [{"role": "assistant", "content": fenced("def f(x):\n    return 1")}],  # conversational: 1 of 3
+        [{"role": "assistant", "content": None}],  # no content: no code
+        # forgeries, each scoring 0: replacing builtins.exec (the tests still run: 0 of 3), calling the harness's
+        # report (not a module attribute: a crash), reading the token from an inherited descriptor (none: 0 of 3)
+        fenced("import builtins\nbuiltins.exec = lambda *a, **k: None"),
+        fenced("import __main__\n__main__.report(outcome='ran', passed=1000, total=1)"),
+        fenced(
+            "import os\nfor fd in range(3, 20):\n    try:\n        print(os.pread(fd, 64, 0))\n    except OSError:\n"
+            "        pass\ndef f(x):\n    return 0"
+        ),
     ]
     metrics = {}
-    rewards = reward(completions, tests=[TESTS] * 7, log_metric=metrics.__setitem__)
-    assert rewards == pytest.approx([2 / 3, 0, 0, 0, 0, 1, 1 / 3])
-    assert metrics == pytest.approx({"code_execution/no_code": 1 / 7, "code_execution/syntax_error": 1 / 7,
-                                     "code_execution/crashed": 1 / 7, "code_execution/stopped": 1 / 7,
-                                     "code_execution/passed_all": 1 / 7})  # fmt: skip
+    rewards = reward(completions, tests=[TESTS] * 11, log_metric=metrics.__setitem__)
+    assert rewards == pytest.approx([2 / 3, 0, 0, 0, 0, 1, 1 / 3, 0, 0, 0, 0])
+    assert metrics == pytest.approx({"code_execution/no_code": 2 / 11, "code_execution/syntax_error": 1 / 11,
+                                     "code_execution/crashed": 2 / 11, "code_execution/stopped": 1 / 11,
+                                     "code_execution/passed_all": 1 / 11})  # fmt: skip
     with pytest.raises(ValueError, match="needs a 'tests' column"):
         reward(completions[:1], answer=["1"])
 
@@ -90,7 +103,7 @@ def test_every_reference_solution_passes_its_own_tests_and_a_wrong_one_fails_the
     assert reward([fenced(f"def {fn.name}({fn.params}):\n    return None") for fn in functions], tests=tests) == [
         0.0
     ] * len(functions)
-    assert make_split("train", 1, seed=0)["tests"][0][0].startswith("assert double_all([")
+    assert make_split("train", 1, seed=0)["tests"][0][0].startswith("assert repr(double_all([")
 
 
 @pytest.mark.parametrize("trainer_class", [GRPOTrainer, AsyncGRPOTrainer])

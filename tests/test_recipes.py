@@ -115,6 +115,24 @@ def test_recipe_runs_the_arithmetic_task_on_the_real_model(tmp_path, capsys):
     assert summary["precision"] == chosen
 
 
+@pytest.mark.real_model
+def test_recipe_runs_the_code_task_on_the_real_model(tmp_path):
+    """`--task code` with its YAML: SmolLM2-135M-Instruct writes functions, their tests run in the sandbox, and the
+    held-out pass rate is measured before training and by the trainer's own evaluation."""
+    argv = [
+        "--config", str(ROOT / "recipes/configs/code_cpu.yaml"), "--output_dir", str(tmp_path / "out"),
+        "--max_steps", "1", "--eval_steps", "1", "--heldout_size", "4", "--per_device_train_batch_size", "8",
+        "--num_generations", "4", "--per_device_eval_batch_size", "4", "--disable_tqdm", "true",
+        "--max_completion_length", "24",
+    ]  # fmt: skip
+    script_args, training_args, model_args = gsm8k_async.make_parser(argv).parse_args_and_config(argv)
+    assert script_args.task == "code"
+    summary = gsm8k_async.main(script_args, training_args, model_args)
+    assert summary["steps"] == 1 and list(summary["heldout_greedy_accuracy"]) == [1]
+    passes = {k / 16 for k in range(17)}  # 4 problems of 4 tests each
+    assert summary["heldout_greedy_accuracy_before"] in passes and summary["heldout_greedy_accuracy"][1] in passes
+
+
 @pytest.mark.unit
 def test_the_arithmetic_config_leaves_bf16_to_the_hardware_and_the_user_wins(monkeypatch):
     from trl_async.precision import NativePrecision, recipe_precision

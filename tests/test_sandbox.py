@@ -26,7 +26,8 @@ def test_each_limit_is_named_from_what_the_run_showed():
     assert hit(timed_out=True) == ("wall_time",)
     assert hit(output_exceeded=True, signal_number=signal.SIGPIPE) == ("output",)
     assert hit(signal_number=signal.SIGXCPU) == ("cpu_time",)
-    assert hit(signal_number=signal.SIGKILL) == ("cpu_time",)  # the hard CPU limit, a second after SIGXCPU
+    assert hit(signal_number=signal.SIGKILL, cpu_s=3.0, cpu_limit_s=2) == ("cpu_time",)  # the hard limit, 1 s later
+    assert hit(signal_number=signal.SIGKILL, cpu_s=0.1, cpu_limit_s=2) == ()  # killed otherwise (OOM, itself)
     assert hit(signal_number=signal.SIGKILL, timed_out=True) == ("wall_time",)  # killed by the wall clock instead
     assert hit(signal_number=signal.SIGXFSZ) == ("file_size",)
     assert hit(stderr="Traceback ...\nMemoryError\n") == ("memory",)

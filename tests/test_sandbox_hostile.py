@@ -5,6 +5,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -44,6 +45,15 @@ def processes_named(marker: str) -> list[str]:
     return found
 
 
+def plant_key(secret: str) -> None:
+    """The secret also as a key in this process's session keyring (where credentials such as Kerberos tickets
+    live), when the kernel lets this process add one."""
+    import ctypes
+
+    if os.uname().machine == "x86_64":  # add_key(2)
+        ctypes.CDLL(None).syscall(248, b"user", b"trl_async_planted", secret.encode(), len(secret), ctypes.c_int(-3))
+
+
 def snapshot(folder: Path) -> dict:
     return {str(p): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()}
 
@@ -62,6 +72,7 @@ def world(tmp_path, monkeypatch):
     listener.listen(4)
     listener.settimeout(0.2)
     victim = subprocess.Popen(["sleep", "600"])
+    plant_key(secret)
     world = dict(
         secret=secret,
         guarded=guarded,
@@ -117,12 +128,13 @@ CASES = {
     ),
     "signals_its_parent": (
         "import os, signal\n"
-        "for pid in [os.getppid(), 1, {trainer}, {victim}]:\n"
-        "    try:\n"
-        "        os.kill(pid, signal.SIGKILL)\n"
-        "        print('SIGNALLED', pid)\n"
-        "    except OSError as exc:\n"
-        "        print('refused', pid, type(exc).__name__)\n"
+        "for sig in [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGKILL]:\n"
+        "    for pid in [os.getppid(), 1, {trainer}, {victim}]:\n"
+        "        try:\n"
+        "            os.kill(pid, sig)\n"
+        "            print('SIGNALLED', pid)\n"
+        "        except OSError as exc:\n"
+        "            print('refused', pid, type(exc).__name__)\n"
         "try:\n"
         "    os.kill(-1, signal.SIGKILL)\n"
         "except OSError as exc:\n"
@@ -146,6 +158,30 @@ CASES = {
         "        print('IMPORTED', name)\n"
         "    except ImportError as exc:\n"
         "        print('refused', name, type(exc).__name__)\n"
+    ),
+    # beyond the eleven: memory that no address-space limit counts, and the trainer's session keyring
+    "hides_memory_outside_its_limit": (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "try:\n"
+        "    fd = os.memfd_create('hoard')\n"
+        "    os.ftruncate(fd, 1 << 26)\n"
+        "    os.write(fd, b'x' * (1 << 20))\n"
+        "    print('HOARDED memfd')\n"
+        "except OSError as exc:\n"
+        "    print('refused memfd', type(exc).__name__)\n"
+        "segment = libc.shmget(0, 1 << 26, 0o1000 | 0o600)\n"
+        "print('HOARDED shm' if segment >= 0 else 'refused shm')\n"
+    ),
+    "reads_the_keyring": (
+        "import ctypes\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "found = libc.syscall(250, 10, ctypes.c_int(-3), b'user', b'trl_async_planted', 0)  # KEYCTL_SEARCH\n"
+        "print('FOUND KEY' if found >= 0 else 'refused keyctl', ctypes.get_errno())\n"
+        "try:\n"
+        "    print(open('/proc/keys').read())\n"
+        "except OSError as exc:\n"
+        "    print('refused /proc/keys', type(exc).__name__)\n"
     ),
 }
 
@@ -182,12 +218,18 @@ def check_contained(case: str, result, world: dict) -> None:
         with pytest.raises(TimeoutError):
             world["listener"].accept()
     elif case == "signals_its_parent":
-        assert "SIGNALLED" not in out and result.ok, out
+        # the trainer and its other process are out of reach; the run's own init ignores what it is sent (a
+        # non-root trainer's program may "signal" it without effect) and still reports the program's exit
+        assert f"SIGNALLED {os.getpid()}" not in out and f"SIGNALLED {world['victim']}" not in out and result.ok, out
         os.kill(world["victim"], 0)  # still alive
     elif case == "floods_stdout":
         assert result.limits == ("output",) and len(result.stdout) == LIMITS.output_bytes
     elif case == "leaves_a_sleeping_child":
         assert result.ok and "LEFT" in out
+    elif case == "hides_memory_outside_its_limit":
+        assert "HOARDED" not in out and "refused memfd PermissionError" in out and "refused shm" in out, out
+    elif case == "reads_the_keyring":
+        assert "FOUND KEY" not in out and "trl_async_planted" not in out, out
     elif case == "imports_the_trainer":
         assert "IMPORTED" not in out and out.count("ModuleNotFoundError") == 3, out
 
@@ -209,7 +251,7 @@ def test_a_hostile_program_is_contained_in_namespaces(case, world):
     assert result.seconds < LIMITS.wall_s + 2
 
 
-RLIMITS_CONTAINS = [
+RLIMITS_CONTAINS = [  # (memfd and the keyring only where libseccomp is installed, so not claimed)
     "loops_forever",
     "fork_bomb",
     "allocates_until_killed",
@@ -267,3 +309,104 @@ def test_training_goes_on_while_its_reward_runs_the_hostile_programs(tmp_path, t
     assert world["secret"] not in json.dumps(trainer.state.log_history) + "".join(text for _, text in ran)
     assert not sandbox_processes() and not processes_named(world["marker"])
     assert snapshot(world["guarded"]) == world["before"]
+
+
+NON_ROOT_DRIVER = """
+import dataclasses, json, sys, types
+package = types.ModuleType("trl_async")  # the sandbox alone: the package's __init__ imports torch
+package.__path__ = [sys.argv[1] + "/trl_async"]
+sys.modules["trl_async"] = package
+from trl_async.sandbox import Limits, Sandbox
+sandbox = Sandbox(limits=Limits(**json.loads(sys.argv[2])), isolation="namespaces")
+for name, source in json.loads(sys.stdin.read()).items():
+    print(json.dumps([name, dataclasses.asdict(sandbox.run_python(source))]), flush=True)
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not Path("/usr/bin/python3").exists() or not Path("/usr/bin/setpriv").exists(),
+    reason="runs a trainer as an unprivileged user: needs root to switch, /usr/bin/python3 and setpriv",
+)
+def test_a_non_root_trainer_contains_the_same_programs(world):
+    """A trainer that is not root gets the same containment from a user namespace (root inside it, with every
+    capability dropped). The trainer here is the system Python run as ``nobody``, with the sandbox package alone."""
+    import dataclasses
+
+    from trl_async.sandbox import SandboxResult
+
+    probe = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "unshare", "--user",
+                            "--map-root-user", "--pid", "--fork", "--mount", "true"], capture_output=True)  # fmt: skip
+    if probe.returncode != 0:
+        pytest.skip(f"unprivileged user namespaces are refused here: {probe.stderr.decode().strip()}")
+    limits = {f.name: getattr(LIMITS, f.name) for f in dataclasses.fields(LIMITS)}
+    sources = {case: program(case, world) for case in CASES}
+    done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-I",
+                           "-c", NON_ROOT_DRIVER, str(PROJECT), json.dumps(limits)], input=json.dumps(sources),
+                          capture_output=True, text=True, timeout=300, env={"PATH": os.defpath})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    results = dict(json.loads(line) for line in done.stdout.splitlines())
+    assert set(results) == set(CASES)
+    for case, fields in results.items():
+        result = SandboxResult(**{**fields, "limits": tuple(fields["limits"])})
+        check_contained(case, result, world)
+        check_nothing_escaped(result, world)
+    assert not processes_owned_by(65534)
+
+
+def processes_owned_by(uid: int) -> list[str]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and os.stat(f"/proc/{entry}").st_uid == uid:
+                found.append(entry)
+        except FileNotFoundError:
+            pass
+    return found
+
+
+def test_concurrent_runs_of_two_sandboxes_never_share_a_uid():
+    """Each run holds a uid of its own (a lock file per uid), whichever sandbox object or process starts it: a run
+    cannot use up another's process limit, nor be killed with it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if os.geteuid() != 0:
+        pytest.skip("a uid per run is for root trainers")
+    first, second = Sandbox(limits=LIMITS, concurrency=2), Sandbox(limits=LIMITS, concurrency=2)
+    source = "import os, time\ntime.sleep(0.5)\nprint(os.getuid())"
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda sandbox: sandbox.run_python(source), [first, second, first, second]))
+    uids = [int(r.stdout) for r in results]
+    assert len(set(uids)) == 4 and all(r.ok for r in results)
+
+
+TRAINER_DRIVER = """
+import sys, types
+package = types.ModuleType("trl_async")
+package.__path__ = [sys.argv[1] + "/trl_async"]
+sys.modules["trl_async"] = package
+from trl_async.sandbox import Limits, Sandbox
+marker = sys.stdin.readline().strip()  # not on the command line, where the test looks for the run's processes
+Sandbox(limits=Limits(wall_s=120, cpu_s=120)).run_python(
+    "import subprocess, time\\nsubprocess.Popen(['/bin/sleep', %r], start_new_session=True)\\ntime.sleep(120)" % marker
+)
+"""
+
+
+def test_a_killed_trainer_takes_its_runs_with_it(world):
+    """The trainer dies mid-run (SIGKILL, no clean-up of its own): the run's launcher sees its pipe close and ends
+    the run at once, long before the run's wall clock."""
+    import time
+
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER_DRIVER, str(PROJECT)], stdin=subprocess.PIPE, text=True)
+    trainer.stdin.write(world["marker"] + "\n")
+    trainer.stdin.flush()
+    deadline = time.monotonic() + 30
+    while not processes_named(world["marker"]):  # the run is under way
+        assert time.monotonic() < deadline, "the run never started"
+        time.sleep(0.05)
+    trainer.kill()
+    trainer.wait()
+    deadline = time.monotonic() + 5
+    while processes_named(world["marker"]) or sandbox_processes():
+        assert time.monotonic() < deadline, "the run outlived its trainer"
+        time.sleep(0.05)

@@ -1,7 +1,8 @@
 """A code task generated from a seed: write a small Python function, scored by running tests in the sandbox.
 
 Each problem names a function and says what it does (string and list manipulation, arithmetic); its ``tests`` are
-``assert`` statements on inputs drawn from the seed, with expected values from a reference implementation. The train
+``assert`` statements on inputs drawn from the seed, comparing the ``repr`` of the result with that of a reference
+implementation's (so a result object that claims to equal everything fails). The train
 and held-out splits use disjoint sets of functions, so the held-out pass rate measures what carries over to functions
 the policy never trained on. Score with ``trl_async.sandbox.rewards.CodeExecutionReward`` (the fraction of tests
 passed); the generated code runs only inside the sandbox.
@@ -98,7 +99,10 @@ def make_problem(rng: random.Random, fn: Function) -> dict:
     tests = []
     for _ in range(TESTS_PER_PROBLEM):
         args = fn.inputs(rng)
-        tests.append(f"assert {fn.name}({', '.join(map(repr, args))}) == {fn.reference(*args)!r}")
+        call = f"{fn.name}({', '.join(map(repr, args))})"
+        tests.append(
+            f"assert repr({call}) == {repr(fn.reference(*args))!r}"
+        )  # repr: an object equal to everything fails
     ask = f"Write a Python function `{fn.name}({fn.params})` that {fn.does}."
     return {
         "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, *EXAMPLE, {"role": "user", "content": ask}],

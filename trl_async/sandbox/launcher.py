@@ -1,7 +1,8 @@
 """The sandbox's first process: builds the program's world, starts it, enforces its wall clock, reports, cleans up.
 
-Run as a file (``python -I -S launcher.py``) with a JSON spec on stdin. It imports nothing outside the standard
-library, so it never loads the trainer's code. With ``"namespaces"`` it runs as the init process (pid 1) of fresh
+Run as a file (``python -I -S launcher.py``) with a ``marshal``-encoded spec on stdin. It imports nothing outside
+the standard library, so it never loads the trainer's code, and only modules that load fast (``marshal`` and
+``_signal`` rather than ``json`` and ``signal``: their imports would double what a run costs). With ``"namespaces"`` it runs as the init process (pid 1) of fresh
 PID, mount, network, IPC and UTS namespaces made by util-linux ``unshare``; with ``"rlimits"`` it runs as a plain
 child of the trainer.
 
@@ -13,18 +14,18 @@ Steps, in order:
 2. The program's files and stdin.
 3. A child that sets resource limits, drops privileges (another uid when the launcher is real root, every
    capability and ``no_new_privs`` otherwise), then executes the program with a scrubbed environment.
-4. Wait for it until the wall clock runs out; then kill everything left (in its own PID namespace: every process
+4. Wait for it until the wall clock runs out, or the trainer's end of the ``alive`` pipe closes; then kill everything left (in its own PID namespace: every process
    but this one; otherwise every process of the run's uid, or its process group), reap it all (the launcher is a
-   child subreaper, so orphans come back to it), and write ``{"exit": ..., "signal": ..., "timed_out": ...}`` to the
-   status pipe. A setup failure writes ``{"setup_error": ...}`` instead.
+   child subreaper, so orphans come back to it), and write ``{"exit": ..., "signal": ..., "timed_out": ...}``
+   (marshal) to the status pipe. A setup failure writes ``{"setup_error": ...}`` instead.
 """
 
+import _signal as signal
 import ctypes
-import json
+import marshal
 import os
 import resource
 import select
-import signal
 import sys
 import time
 
@@ -34,6 +35,14 @@ MNT_DETACH = 2
 PR_SET_NO_NEW_PRIVS, PR_SET_SECUREBITS, PR_CAPBSET_DROP, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 38, 28, 24, 4, 36
 SECBIT_NOROOT_ALL = 0x3 | 0xC | 0x30  # noroot, no_setuid_fixup, keep_caps_locked (each with its lock)
 DEVICES = ("null", "zero", "full", "random", "urandom")
+KEYCTL_SYSCALL = {"x86_64": 250, "aarch64": 219}
+DENIED = ("memfd_create", "keyctl", "add_key", "request_key", "ptrace", "process_vm_readv", "process_vm_writev",
+          "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "bpf", "perf_event_open", "userfaultfd",
+          "io_uring_setup", "kexec_load", "init_module", "finit_module", "delete_module", "open_by_handle_at",
+          "swapon", "swapoff", "reboot", "acct", "quotactl")  # fmt: skip
+# signals a program running as the launcher's own uid (a non-root trainer's) could send it; ignored by the launcher
+SHIELDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+            signal.SIGALRM)  # fmt: skip
 LIMITS = {
     "cpu_s": resource.RLIMIT_CPU,
     "memory_bytes": resource.RLIMIT_AS,
@@ -88,8 +97,8 @@ def bind_read_only(source: str, target: str) -> None:
         try:
             mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | _kept_flags(point))
         except OSError:
-            if point == target:
-                raise
+            if not os.statvfs(point).f_flag & os.ST_RDONLY:
+                raise  # a mount the program could write to
 
 
 def build_root(spec: dict) -> None:
@@ -126,11 +135,23 @@ def build_root(spec: dict) -> None:
         os.chmod(scratch + "/" + name, mode)
         os.mkdir(root + "/" + name)
         mount(scratch + "/" + name, root + "/" + name, None, MS_BIND)
-    os.chown(root + "/sandbox", uid, uid)
+    if spec["drop_uid"]:
+        os.chown(root + "/sandbox", uid, uid)
     _check(_libc.umount2(scratch.encode(), MNT_DETACH), "umount scratch")
     os.rmdir(scratch)
     mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    limit_shared_memory(spec["disk_bytes"])
     os.chroot(root)
+    os.chdir("/")
+
+
+def limit_shared_memory(size: int) -> None:
+    """System V shared memory lives outside every process's address space: in this run's own IPC namespace, cap it
+    at ``size`` bytes in all."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    for name, value in (("shmmax", size), ("shmall", max(1, size // page)), ("shmmni", 16)):
+        with open(f"/proc/sys/kernel/{name}", "w") as f:
+            f.write(str(value))
 
 
 def write_files(spec: dict, workdir: str) -> None:
@@ -155,6 +176,35 @@ def stdin_fd(data: str) -> int:
     return fd
 
 
+def new_session_keyring() -> None:
+    """An empty session keyring of its own: the trainer's (tokens, Kerberos tickets) is no longer reachable."""
+    number = KEYCTL_SYSCALL.get(os.uname().machine)
+    if number is not None:
+        _libc.syscall(number, 1, None)  # KEYCTL_JOIN_SESSION_KEYRING, anonymous
+
+
+def deny_syscalls() -> bool:
+    """A seccomp filter (libseccomp, where installed) refusing with EPERM the calls a program needs only to attack:
+    ``DENIED`` (anonymous memory files outside its limits, keyrings, debugging other processes, namespaces, mounts,
+    kernel modules, BPF). Without libseccomp the run goes on without it."""
+    try:
+        seccomp = ctypes.CDLL("libseccomp.so.2")
+    except OSError:
+        return False
+    seccomp.seccomp_init.restype = ctypes.c_void_p
+    seccomp.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    seccomp.seccomp_rule_add.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint]
+    seccomp.seccomp_load.argtypes = [ctypes.c_void_p]
+    context = seccomp.seccomp_init(0x7FFF0000)  # SCMP_ACT_ALLOW
+    refuse = 0x00050000 | 1  # SCMP_ACT_ERRNO(EPERM)
+    for name in DENIED:
+        number = seccomp.seccomp_syscall_resolve_name(name.encode())
+        if number >= 0:
+            _check(seccomp.seccomp_rule_add(context, refuse, number, 0), f"seccomp rule {name}")
+    _check(seccomp.seccomp_load(context), "seccomp load")
+    return True
+
+
 def drop_privileges(spec: dict) -> None:
     """Everything that only takes away: no capability survives the exec, and none can be regained."""
     for cap in range(64):
@@ -174,39 +224,47 @@ def start_program(spec: dict, workdir: str, status_fd: int) -> int:
         return pid
     try:
         os.close(status_fd)
+        os.close(spec["alive_fd"])
         if spec["isolation"] == "rlimits":
             os.setpgid(0, 0)
         os.chdir(workdir)
         fd = stdin_fd(spec["stdin"])
         os.dup2(fd, 0)
+        os.close(fd)
         for key, which in LIMITS.items():
             value = spec["limits"][key]
             hard = value + 1 if key == "cpu_s" else value  # SIGXCPU at the soft limit, SIGKILL a second later
             resource.setrlimit(which, (value, hard))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        for number in (signal.SIGPIPE, *SHIELDED):
+            signal.signal(number, signal.SIG_DFL)
+        new_session_keyring()
         drop_privileges(spec)
+        deny_syscalls()
         os.execve(spec["argv"][0], spec["argv"], spec["env"])
     except BaseException as exc:  # noqa: BLE001 - reported as the program's failure to start
         os.write(2, f"sandbox: the program could not start: {exc}\n".encode())
     os._exit(127)
 
 
-def wait_for(pid: int, deadline: float) -> tuple[int | None, bool]:
-    """The program's wait status, reaping any orphan re-parented here meanwhile; ``(None, True)`` at the deadline."""
+def wait_for(pid: int, deadline: float, alive_fd: int) -> tuple[int | None, bool, float]:
+    """``(wait status, timed out, CPU seconds)`` of the program, reaping any orphan re-parented here meanwhile. The
+    status is None at the deadline, or when ``alive_fd`` (the trainer's end of a pipe) closes: the trainer is gone."""
     pidfd = os.pidfd_open(pid)
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            return None, True
-        select.select([pidfd], [], [], left)
+            return None, True, 0.0
+        ready, _, _ = select.select([pidfd, alive_fd], [], [], left)
+        if alive_fd in ready:
+            return None, False, 0.0
         while True:
             try:
-                reaped, status = os.waitpid(-1, os.WNOHANG)
+                reaped, status, usage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
-                return None, False
+                return None, False, 0.0
             if reaped == pid:
-                return status, False
+                return status, False, usage.ru_utime + usage.ru_stime
             if reaped == 0:
                 break
 
@@ -260,11 +318,14 @@ def kill_all(spec: dict, pid: int) -> None:
 
 
 def main() -> None:
-    spec = json.loads(sys.stdin.read())
+    spec = marshal.loads(sys.stdin.buffer.read())
     status_fd = spec["status_fd"]
     os.set_inheritable(status_fd, False)
+    os.set_inheritable(spec["alive_fd"], False)
     _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of the program come here, to be killed and reaped
+    for number in SHIELDED:
+        signal.signal(number, signal.SIG_IGN)
     try:
         if spec["isolation"] == "namespaces":
             build_root(spec)
@@ -275,17 +336,23 @@ def main() -> None:
         start = time.monotonic()
         pid = start_program(spec, workdir, status_fd)
     except BaseException as exc:  # noqa: BLE001
-        os.write(status_fd, json.dumps({"setup_error": f"{type(exc).__name__}: {exc}"}).encode())
+        os.write(status_fd, marshal.dumps({"setup_error": f"{type(exc).__name__}: {exc}"}))
         sys.exit(1)
-    status, timed_out = wait_for(pid, start + spec["wall_s"])
+    status, timed_out, cpu_s = wait_for(pid, start + spec["wall_s"], spec["alive_fd"])
     kill_all(spec, pid)
-    report = {"timed_out": timed_out, "exit": None, "signal": None, "seconds": time.monotonic() - start}
+    report = {
+        "timed_out": timed_out,
+        "exit": None,
+        "signal": None,
+        "seconds": time.monotonic() - start,
+        "cpu_s": cpu_s,
+    }
     if status is not None:
         if os.WIFSIGNALED(status):
             report["signal"] = os.WTERMSIG(status)
         else:
             report["exit"] = os.WEXITSTATUS(status)
-    os.write(status_fd, json.dumps(report).encode())
+    os.write(status_fd, marshal.dumps(report))
 
 
 if __name__ == "__main__":

@@ -89,18 +89,26 @@ _MARKERS = (
 )
 
 
-def limits_hit(*, timed_out: bool, output_exceeded: bool, signal_number: int | None, stderr: str) -> tuple[str, ...]:
+def limits_hit(
+    *,
+    timed_out: bool,
+    output_exceeded: bool,
+    signal_number: int | None,
+    stderr: str,
+    cpu_s: float = 0.0,
+    cpu_limit_s: float = float("inf"),
+) -> tuple[str, ...]:
     """The limits a run hit, from what the launcher and the reader saw and the program's error output.
 
-    The sandbox knows the wall clock and the output cap itself; CPU time shows as SIGXCPU (or the SIGKILL a second
-    after it); the others show only in how the refused call failed, so they are read from stderr, which a program
+    The sandbox knows the wall clock and the output cap itself; CPU time shows as SIGXCPU, or as a SIGKILL after
+    ``cpu_s`` reached ``cpu_limit_s`` (the hard limit, a second after SIGXCPU); the others show only in how the refused call failed, so they are read from stderr, which a program
     can also print on purpose: a report, not a proof."""
     hit = []
     if timed_out:
         hit.append("wall_time")
     if output_exceeded:
         hit.append("output")
-    if signal_number == signal.SIGXCPU or (signal_number == signal.SIGKILL and not timed_out and not output_exceeded):
+    if signal_number == signal.SIGXCPU or (signal_number == signal.SIGKILL and cpu_s >= cpu_limit_s):
         hit.append("cpu_time")
     if signal_number == signal.SIGXFSZ:
         hit.append("file_size")

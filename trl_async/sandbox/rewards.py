@@ -7,9 +7,13 @@ does not compile, code that raises before the tests run, and a run stopped by a 
 logged (``log_metric``: ``code_execution/no_code``, ``/syntax_error``, ``/crashed``, ``/stopped``) as the fraction
 of the call's completions it struck, beside ``code_execution/passed_all``.
 
-The harness reports through a line carrying a random token the program is not shown; a program that inspects its own
-interpreter (the harness's frames) could still find it. The sandbox protects the machine from the program, not the
-reward from a program that sets out to forge it.
+The program runs in the harness's own interpreter. The harness keeps what it relies on out of the program's reach
+by ordinary means (its report carries a random token the program is not shown; its functions are locals, not module
+attributes; a report that does not count the row's tests is a crash), but a program written to forge its score can
+still reach the harness through the interpreter's internals (frames, the garbage collector), and a result object
+whose ``__eq__`` always answers True passes an ``assert f(x) == y`` test: write tests that compare ``repr`` or
+check types, as ``trl_async.code_task`` does. The sandbox protects the machine from the program, not the reward
+from a program that sets out to forge it.
 """
 
 from __future__ import annotations
@@ -27,46 +31,59 @@ from .runner import Sandbox
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 OUTCOMES = ("no_code", "syntax_error", "crashed", "stopped")  # each scores 0
 
+# the harness keeps what it relies on in its own function's locals, so a program cannot replace them by assigning to
+# a module (``builtins.exec = ...``, ``__main__.report = ...``); the token comes on stdin, which is closed before
+# the program runs, and the harness's file is deleted
 HARNESS = """\
-import json, os, sys
-token = sys.stdin.readline().strip()
-sys.stdin.close()
-os.remove("main.py")
-with open("solution.py") as f:
-    source = f.read()
-with open("tests.json") as f:
-    tests = json.load(f)
-os.remove("tests.json")
-def report(**fields):
-    sys.stdout.flush()
-    os.write(1, ("\\n" + token + " " + json.dumps(fields) + "\\n").encode())
-    os._exit(0)
-try:
-    code = compile(source, "solution.py", "exec")
-except (SyntaxError, ValueError) as exc:
-    report(outcome="syntax_error", error=type(exc).__name__)
-namespace = {"__name__": "solution"}
-try:
-    exec(code, namespace)
-except BaseException as exc:
-    report(outcome="crashed", error=type(exc).__name__)
-passed = 0
-for test in tests:
+def harness():
+    import json, os, sys
+    token = sys.stdin.readline().strip()
+    sys.stdin.close()
+    os.remove("main.py")
+    with open("solution.py") as f:
+        source = f.read()
+    with open("tests.json") as f:
+        tests = json.load(f)
+    os.remove("tests.json")
+    run, dumps, write, flush, leave, exit_now = exec, json.dumps, os.write, sys.stdout.flush, os._exit, SystemExit
+
+    def report(**fields):
+        try:
+            flush()
+        except BaseException:
+            pass
+        write(1, ("\\n" + token + " " + dumps(fields) + "\\n").encode())
+        leave(0)
+
     try:
-        exec(test, dict(namespace))
-        passed += 1
-    except BaseException:
-        pass
-report(outcome="ran", passed=passed, total=len(tests))
+        code = compile(source, "solution.py", "exec")
+    except (SyntaxError, ValueError) as exc:
+        report(outcome="syntax_error", error=type(exc).__name__)
+    namespace = {"__name__": "solution"}
+    try:
+        run(code, namespace)
+    except BaseException as exc:
+        report(outcome="crashed", error=type(exc).__name__)
+    passed = 0
+    for test in tests:
+        try:
+            run(test, dict(namespace))
+            passed += 1
+        except BaseException:
+            pass
+    report(outcome="ran", passed=passed, total=len(tests))
+
+
+harness()
 """
 
 
 def completion_text(completion) -> str:
     """The text of a completion: a string, or a conversation's last message's content."""
     if isinstance(completion, list):
-        content = completion[-1].get("content", "") if completion else ""
-        return content if isinstance(content, str) else " ".join(p.get("text", "") for p in content)
-    return completion
+        content = (completion[-1].get("content") if completion else None) or ""
+        return content if isinstance(content, str) else " ".join(str(p.get("text") or "") for p in content)
+    return completion or ""
 
 
 def extract_code(text: str) -> str | None:
@@ -75,14 +92,30 @@ def extract_code(text: str) -> str | None:
     return blocks[-1] if blocks else None
 
 
-def parse_report(result: SandboxResult, token: str) -> dict:
-    """What the harness reported (the last line with ``token``), or ``{"outcome": "stopped"}`` / ``"crashed"``."""
+def parse_report(result: SandboxResult, token: str, tests: int) -> dict:
+    """What the harness reported (the last line with ``token``) when it is well formed and counts ``tests`` tests;
+    ``{"outcome": "stopped"}`` when a limit ended the run, else ``"crashed"``."""
     if result.limits:
         return {"outcome": "stopped", "why": list(result.limits)}
     for line in reversed(result.stdout.splitlines()):
         if line.startswith(token + " "):
-            return json.loads(line[len(token) + 1 :])
+            try:
+                report = json.loads(line[len(token) + 1 :])
+            except json.JSONDecodeError:
+                break
+            if well_formed(report, tests):
+                return report
+            break
     return {"outcome": "crashed", "error": result.summary()}
+
+
+def well_formed(report, tests: int) -> bool:
+    if not isinstance(report, dict) or report.get("outcome") not in ("ran", "syntax_error", "crashed"):
+        return False
+    if report["outcome"] != "ran":
+        return True
+    passed, total = report.get("passed"), report.get("total")
+    return type(passed) is int and total == tests and 0 <= passed <= total
 
 
 def score(report: dict) -> float:
@@ -133,9 +166,8 @@ class CodeExecutionReward:
 
         def one(i: int) -> dict:
             files = {"solution.py": codes[i], "tests.json": json.dumps(list(tests[i]))}
-            return parse_report(
-                sandbox.run_python(HARNESS, files=files, stdin=token + "\n", limits=self.limits), token
-            )
+            result = sandbox.run_python(HARNESS, files=files, stdin=token + "\n", limits=self.limits)
+            return parse_report(result, token, len(tests[i]))
 
         reports: list[dict] = [{"outcome": "no_code"} for _ in codes]
         if jobs:

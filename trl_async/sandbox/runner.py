@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-import json
+import fcntl
+import marshal
 import os
+import random
 import selectors
 import shutil
 import signal
@@ -20,9 +22,40 @@ from .limits import Limits, SandboxResult, limits_hit
 
 PROGRAM_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
 BACKSTOP_S = 10.0  # past the wall clock, the trainer kills a launcher that has not reported
-# a root trainer runs each program as its own uid, UID_BASE + MAX_CONCURRENCY * (pid % 2**16) + slot, which nothing
-# else on the machine owns: the process limit counts only that run, and killing the uid's processes ends all of it
-UID_BASE, MAX_CONCURRENCY = 0x50000000, 1024
+OUTPUT_GRACE_S = 1.0  # after the launcher reported, how long output may still arrive (a child holding the pipe)
+MAX_CONCURRENCY = 1024
+# a root trainer runs each program as a uid of its own, from UID_BASE on, which nothing else on the machine owns: the
+# process limit counts only that run, and killing the uid's processes ends all of it. A uid is taken with an
+# exclusive lock on its file in UID_LOCKS, so runs of any sandbox in any process never share one.
+UID_BASE, UID_COUNT = 0x50000000, 1 << 16
+UID_LOCKS = os.path.join(tempfile.gettempdir(), "trl_async_sandbox_uids")
+
+
+class RunUid:
+    """A uid no other run holds, for as long as this is open."""
+
+    def __init__(self) -> None:
+        self.uid, self._fd = None, None
+        if not is_root():
+            return
+        os.makedirs(UID_LOCKS, mode=0o700, exist_ok=True)
+        start = random.randrange(UID_COUNT)
+        for i in range(UID_COUNT):
+            uid = UID_BASE + (start + i) % UID_COUNT
+            fd = os.open(os.path.join(UID_LOCKS, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self.uid, self._fd = uid, fd
+            return
+        raise SandboxError(f"every sandbox uid is in use ({UID_COUNT} runs at once)")
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the lock
+            self._fd = None
 
 
 class SandboxError(RuntimeError):
@@ -51,8 +84,7 @@ class Sandbox:
         self.limits = limits or Limits()
         self.isolation = resolve(isolation)
         self.concurrency = concurrency or min(len(os.sched_getaffinity(0)), MAX_CONCURRENCY)
-        self._slots: list[int] = list(range(self.concurrency))
-        self._free = threading.Condition()
+        self._free = threading.BoundedSemaphore(self.concurrency)
         self._python = interpreter(self.isolation)
         self._visible, self._hidden = visible_dirs(), hidden_dirs()
 
@@ -89,21 +121,14 @@ class Sandbox:
         _check_files(files)
         if not argv or not str(argv[0]).startswith("/"):
             raise ValueError(f"argv[0] must be an absolute path, got {list(argv)[:1]!r}")
-        slot = self._take_slot()
-        try:
-            return self._run([str(a) for a in argv], files, stdin, limits or self.limits, slot)
-        finally:
-            with self._free:
-                self._slots.append(slot)
-                self._free.notify()
-
-    def _take_slot(self) -> int:
         with self._free:
-            while not self._slots:
-                self._free.wait()
-            return self._slots.pop()
+            uid = RunUid()
+            try:
+                return self._run([str(a) for a in argv], files, stdin, limits or self.limits, uid.uid)
+            finally:
+                uid.close()
 
-    def _spec(self, argv, files, stdin, limits: Limits, slot: int, root: str, status_fd: int) -> dict:
+    def _spec(self, argv, files, stdin, limits: Limits, uid: int | None, root: str, fds: tuple[int, int]) -> dict:
         return {
             "isolation": self.isolation,
             "root": root,
@@ -116,14 +141,16 @@ class Sandbox:
             "disk_bytes": int(limits.disk_mib * (1 << 20)),
             "binds": self._visible,
             "hide": self._hidden,
-            "status_fd": status_fd,
-            "drop_uid": is_root(),
-            "uid": UID_BASE + MAX_CONCURRENCY * (os.getpid() % (1 << 16)) + slot,
+            "status_fd": fds[0],
+            "alive_fd": fds[1],
+            "drop_uid": uid is not None,
+            "uid": 0 if uid is None else uid,
         }
 
-    def _run(self, argv, files, stdin, limits: Limits, slot: int) -> SandboxResult:
+    def _run(self, argv, files, stdin, limits: Limits, uid: int | None) -> SandboxResult:
         root = tempfile.mkdtemp(prefix="trl_async_sandbox_")
         status_r, status_w = os.pipe()
+        alive_r, alive_w = os.pipe()  # the launcher stops the run when this closes: the trainer is gone
         launch = [os.path.realpath(getattr(sys, "_base_executable", sys.executable)), "-I", "-S", LAUNCHER]
         command = [*unshare_args(), "--", *launch] if self.isolation == "namespaces" else launch
         started = time.monotonic()
@@ -133,46 +160,44 @@ class Sandbox:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                pass_fds=(status_w,),
+                pass_fds=(status_w, alive_r),
                 env={"PATH": os.defpath},
                 start_new_session=True,
             )
         except OSError as exc:
-            os.close(status_r)
-            os.close(status_w)
+            for fd in (status_r, status_w, alive_r, alive_w):
+                os.close(fd)
             shutil.rmtree(root, ignore_errors=True)
             raise SandboxError(f"could not start the sandbox launcher: {exc}") from exc
         os.close(status_w)
+        os.close(alive_r)
         try:
-            spec = self._spec(argv, files, stdin, limits, slot, root, status_w)
-            proc.stdin.write(json.dumps(spec).encode())
-            proc.stdin.close()
+            try:
+                proc.stdin.write(marshal.dumps(self._spec(argv, files, stdin, limits, uid, root, (status_w, alive_r))))
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass  # the launcher died at once: its missing report says so below
             streams = _read(proc, status_r, limits.output_bytes, started + limits.wall_s + BACKSTOP_S)
         finally:
             _kill(proc)
             os.close(status_r)
+            os.close(alive_w)
             shutil.rmtree(root, ignore_errors=True)
         stdout, stderr, status, exceeded, backstop = streams
         report = _report(status, backstop, proc.returncode, stderr)
-        return SandboxResult(
-            exit_code=None if exceeded else report["exit"],
-            signal=None if exceeded else report["signal"],
-            stdout=stdout,
-            stderr=stderr,
-            limits=limits_hit(
-                timed_out=report["timed_out"], output_exceeded=exceeded, signal_number=report["signal"], stderr=stderr
-            ),
-            seconds=report.get("seconds", time.monotonic() - started),
-            isolation=self.isolation,
-        )
+        hit = limits_hit(timed_out=report["timed_out"], output_exceeded=exceeded, signal_number=report["signal"],
+                         stderr=stderr, cpu_s=report.get("cpu_s", 0.0), cpu_limit_s=limits.cpu_s)  # fmt: skip
+        return SandboxResult(exit_code=None if exceeded else report["exit"],
+                             signal=None if exceeded else report["signal"], stdout=stdout, stderr=stderr, limits=hit,
+                             seconds=report.get("seconds", time.monotonic() - started), isolation=self.isolation)  # fmt: skip
 
 
 def _report(status: bytes, backstop: bool, returncode: int | None, stderr: str) -> dict:
     if backstop:
         return {"timed_out": True, "exit": None, "signal": None}
     try:
-        report = json.loads(status) if status else None
-    except json.JSONDecodeError:
+        report = marshal.loads(status) if status else None
+    except (EOFError, ValueError, TypeError):
         report = None
     if report is None:
         raise SandboxError(f"the sandbox launcher ended (status {returncode}) without a report: {stderr[-2000:]}")
@@ -187,12 +212,18 @@ def _read(proc: subprocess.Popen, status_fd: int, cap: int, deadline: float):
     backstop past the wall clock, stops the reading."""
     kept = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray(), status_fd: bytearray()}
     exceeded = backstop = False
+    reported = deadline
     with selectors.DefaultSelector() as sel:
         for fd in kept:
             sel.register(fd, selectors.EVENT_READ)
         while sel.get_map():
             left = deadline - time.monotonic()
-            if left <= 0:
+            if status_fd not in sel.get_map():  # reported: only a child left behind can still hold the pipes open
+                deadline = min(deadline, reported + OUTPUT_GRACE_S)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+            elif left <= 0:
                 backstop = True
                 break
             for key, _ in sel.select(left):
@@ -201,6 +232,8 @@ def _read(proc: subprocess.Popen, status_fd: int, cap: int, deadline: float):
                 chunk = os.read(key.fd, 65536)
                 if not chunk:
                     sel.unregister(key.fd)
+                    if key.fd == status_fd:
+                        reported = time.monotonic()
                     continue
                 buf = kept[key.fd]
                 buf += chunk
