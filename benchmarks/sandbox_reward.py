@@ -160,6 +160,10 @@ def main() -> None:
         f"whose tests take {' or '.join(map(str, cli.test_ms))} ms (sleeping), 2 programs at once, sandboxed or in a "
         f"bare subprocess; {cli.steps} measured steps after {cli.warmup} of warm-up, 32 completions per step.\n\n"
         f"{table}\n\n"
+        "Where the time goes: each sandboxed program starts two Python interpreters (the launcher and the program) "
+        "and builds its namespaces, CPU work that shares the cores with generation and training, while the tests' "
+        "sleep does not. With 2 programs at once on both sides, the reward's throughput caps sync and async alike "
+        "once the tests are long; async gains only what it overlaps.\n\n"
         "![](results/sandbox_reward.png)",
     )
     print(overhead_table)
