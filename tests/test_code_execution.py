@@ -58,8 +58,8 @@ def test_code_task_splits_are_disjoint_and_reproducible():
     assert not {f.name for f in TRAIN_FUNCTIONS} & {f.name for f in HELDOUT_FUNCTIONS}
     a, b = make_split("train", 16, seed=3), make_split("train", 16, seed=3)
     assert a["tests"] == b["tests"] and len(a["tests"][0]) == 4
-    assert all(f"`{f.name}(" in make_split("heldout", 4)[i]["prompt"][-1]["content"] for i, f in
-               enumerate(HELDOUT_FUNCTIONS))  # fmt: skip
+    heldout = make_split("heldout", len(HELDOUT_FUNCTIONS))
+    assert all(f"`{f.name}(" in heldout[i]["prompt"][-1]["content"] for i, f in enumerate(HELDOUT_FUNCTIONS))
     with pytest.raises(ValueError, match="split must be"):
         make_split("test", 1)
 
@@ -97,7 +97,8 @@ def test_the_reward_is_the_fraction_of_tests_passed_and_failures_are_counted():
 def test_every_reference_solution_passes_its_own_tests_and_a_wrong_one_fails_them():
     reward = CodeExecutionReward()
     functions = TRAIN_FUNCTIONS + HELDOUT_FUNCTIONS
-    problems = [row for split, n in (("train", 8), ("heldout", 4)) for row in make_split(split, n, seed=1)]
+    problems = [row for split, n in (("train", len(TRAIN_FUNCTIONS)), ("heldout", len(HELDOUT_FUNCTIONS)))
+                for row in make_split(split, n, seed=1)]  # fmt: skip
     tests = [p["tests"] for p in problems]
     assert reward([fenced(fn.solution) for fn in functions], tests=tests) == [1.0] * len(functions)
     assert reward([fenced(f"def {fn.name}({fn.params}):\n    return None") for fn in functions], tests=tests) == [

@@ -75,6 +75,9 @@ class Function:
         return namespace[self.name](*args)
 
 
+# each held-out function has a train function that teaches its skill (whisper/shout, reverse_words/reverse_list,
+# initials/first_word, count_negative/count_positive), so the held-out pass rate can move; SmolLM2-135M-Instruct
+# passes about two thirds of either set before training (greedy, float32)
 TRAIN_FUNCTIONS = (
     Function("double_all", "xs", "returns a list with each number doubled", "[2 * x for x in xs]", _numbers),
     Function("add_n", "xs, n", "returns a list with n added to each number", "[x + n for x in xs]", _numbers_and_n),
@@ -86,12 +89,48 @@ TRAIN_FUNCTIONS = (
     Function("square", "x", "returns x times x", "x * x", _number),
     Function("largest", "xs", "returns the largest number in xs", "max(xs)", _numbers),
     Function("first_word", "s", "returns the first word of the string s", "s.split()[0]", _text),
+    Function("last_word", "s", "returns the last word of the string s", "s.split()[-1]", _text),
+    Function("reverse_list", "xs", "returns the list xs in reverse order", "xs[::-1]", _numbers),
+    Function(
+        "count_positive",
+        "xs",
+        "returns how many numbers in xs are greater than 0",
+        "sum(1 for x in xs if x > 0)",
+        _numbers,
+    ),  # fmt: skip
+    Function("dashed", "s", "returns the words of s joined by dashes", "'-'.join(s.split())", _text),
+    Function(
+        "word_lengths", "s", "returns a list of the lengths of the words in s", "[len(w) for w in s.split()]", _text
+    ),  # fmt: skip
+    Function("halve_all", "xs", "returns a list with each number divided by 2", "[x / 2 for x in xs]", _numbers),
 )
 HELDOUT_FUNCTIONS = (
     Function("triple_all", "xs", "returns a list with each number tripled", "[3 * x for x in xs]", _numbers),
     Function("smallest", "xs", "returns the smallest number in xs", "min(xs)", _numbers),
     Function("whisper", "s", "returns s in lower case followed by '...'", "s.lower() + '...'", _text),
     Function("cube", "x", "returns x times x times x", "x * x * x", _number),
+    Function(
+        "reverse_words",
+        "s",
+        "returns the words of s in reverse order, joined by spaces",
+        "' '.join(s.split()[::-1])",
+        _text,
+    ),  # fmt: skip
+    Function(
+        "count_negative",
+        "xs",
+        "returns how many numbers in xs are less than 0",
+        "sum(1 for x in xs if x < 0)",
+        _numbers,
+    ),  # fmt: skip
+    Function(
+        "initials",
+        "s",
+        "returns the first letter of each word of s, joined into one string",
+        "''.join(w[0] for w in s.split())",
+        _text,
+    ),  # fmt: skip
+    Function("ends_with_e", "s", "returns True if s ends with the letter e, else False", "s.endswith('e')", _text),
 )
 
 
