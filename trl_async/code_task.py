@@ -83,7 +83,7 @@ TRAIN_FUNCTIONS = (
     Function("add_n", "xs, n", "returns a list with n added to each number", "[x + n for x in xs]", _numbers_and_n),
     Function(
         "sum_even", "xs", "returns the sum of the even numbers in xs", "sum(x for x in xs if x % 2 == 0)", _numbers
-    ),  # fmt: skip
+    ),
     Function("count_words", "s", "returns the number of words in the string s", "len(s.split())", _text),
     Function("shout", "s", "returns s in upper case followed by '!'", "s.upper() + '!'", _text),
     Function("square", "x", "returns x times x", "x * x", _number),
@@ -97,11 +97,11 @@ TRAIN_FUNCTIONS = (
         "returns how many numbers in xs are greater than 0",
         "sum(1 for x in xs if x > 0)",
         _numbers,
-    ),  # fmt: skip
+    ),
     Function("dashed", "s", "returns the words of s joined by dashes", "'-'.join(s.split())", _text),
     Function(
         "word_lengths", "s", "returns a list of the lengths of the words in s", "[len(w) for w in s.split()]", _text
-    ),  # fmt: skip
+    ),
     Function("halve_all", "xs", "returns a list with each number divided by 2", "[x / 2 for x in xs]", _numbers),
 )
 HELDOUT_FUNCTIONS = (
@@ -115,21 +115,21 @@ HELDOUT_FUNCTIONS = (
         "returns the words of s in reverse order, joined by spaces",
         "' '.join(s.split()[::-1])",
         _text,
-    ),  # fmt: skip
+    ),
     Function(
         "count_negative",
         "xs",
         "returns how many numbers in xs are less than 0",
         "sum(1 for x in xs if x < 0)",
         _numbers,
-    ),  # fmt: skip
+    ),
     Function(
         "initials",
         "s",
         "returns the first letter of each word of s, joined into one string",
         "''.join(w[0] for w in s.split())",
         _text,
-    ),  # fmt: skip
+    ),
     Function("ends_with_e", "s", "returns True if s ends with the letter e, else False", "s.endswith('e')", _text),
 )
 
