@@ -289,7 +289,8 @@ def test_training_goes_on_while_its_reward_runs_the_hostile_programs(tmp_path, t
 
     sandbox = Sandbox(limits=LIMITS, isolation="namespaces")
     names = list(CASES)
-    dataset = Dataset.from_list([{"prompt": f"q{i}:", "case": names[i % len(names)]} for i in range(12)])
+    # 16 rows, each consumed once by 4 steps of 4 groups: every program runs
+    dataset = Dataset.from_list([{"prompt": f"q{i}:", "case": names[i % len(names)]} for i in range(16)])
     ran = []
 
     def hostile_reward(completions, case, **kwargs):
@@ -300,11 +301,11 @@ def test_training_goes_on_while_its_reward_runs_the_hostile_programs(tmp_path, t
         return [float(result.ok) for result in results]
 
     trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=hostile_reward,
-                               args=async_args(tmp_path, max_steps=3, num_generations=2, rollout_timeout_s=120),
+                               args=async_args(tmp_path, max_steps=4, num_generations=2, rollout_timeout_s=120),
                                train_dataset=dataset)  # fmt: skip
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    assert trainer.state.global_step == 3 and len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    assert trainer.state.global_step == 4 and len(losses) == 4 and all(math.isfinite(x) for x in losses)
     assert len({name for name, _ in ran}) == len(names)  # every program ran at least once
     assert world["secret"] not in json.dumps(trainer.state.log_history) + "".join(text for _, text in ran)
     assert not sandbox_processes() and not processes_named(world["marker"])
