@@ -1,6 +1,6 @@
 """The agentic regime of benchmarks/throughput.py: multi-turn episodes of 1-4 turns with a slow, long-tailed tool.
 
-A tiny tool-calling model (trl_async.tiny.build_tool_model) is fitted so that prompt "Task k...: look up k keys"
+A tiny tool-calling model (trl_async.demo.tiny.build_tool_model) is fitted so that prompt "Task k...: look up k keys"
 makes k calls of ``lookup`` (one per turn, each after the previous result) and then says "Done!": episodes of k + 1
 turns, k = 0..3. ``lookup`` sleeps a log-normal time (median 100 ms, p99 2 s: sigma = ln(20) / 2.326), like a search
 API or a sandbox, and uses no CPU meanwhile. Both trainers get the same tool, seeded per run.
@@ -64,7 +64,7 @@ def make_lookup(seed: int):
 
 
 def make_model(path: str) -> str:
-    from trl_async.tiny import build_tool_model
+    from trl_async.demo.tiny import build_tool_model
 
     return str(build_tool_model(Path(path), episodes(), [make_lookup(0)], fit_steps=800, hidden_size=128))
 

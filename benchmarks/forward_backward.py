@@ -33,8 +33,8 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from trl_async.demo.pretrained import smollm2_135m_instruct
     from trl_async.precision import cpu_name, device_precision
-    from trl_async.pretrained import smollm2_135m_instruct
 
     torch.set_num_threads(cli.threads)
     model = AutoModelForCausalLM.from_pretrained(smollm2_135m_instruct(), dtype=torch.float32)

@@ -1,6 +1,6 @@
 """One GPU, the real model: GRPOTrainer with vLLM against AsyncGRPOTrainer, equal work, end to end.
 
-SmolLM2-135M-Instruct (``trl_async.pretrained``) on the arithmetic word problems (``trl_async.arithmetic``) with
+SmolLM2-135M-Instruct (``trl_async.demo.pretrained``) on the arithmetic word problems (``trl_async.demo.arithmetic``) with
 room to reason (``max_completion_length`` 256), 16 prompts x 8 completions per optimizer step, bf16 autocast, the
 same seed and steps for every configuration:
 
@@ -61,7 +61,7 @@ def sizes(smoke: bool) -> dict:
 
 
 def training_fields(cli, size: dict) -> dict:
-    from trl_async.arithmetic import TRAINING_SETTINGS
+    from trl_async.demo.arithmetic import TRAINING_SETTINGS
 
     per_step = size["prompts"] * size["completions"]
     return dict(output_dir=tempfile.mkdtemp(prefix="gpu_bench_"), learning_rate=TRAINING_SETTINGS["learning_rate"],
@@ -95,7 +95,7 @@ def run_one(cli, name: str) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
-    from trl_async.arithmetic import correctness_reward, format_reward, make_split
+    from trl_async.demo.arithmetic import correctness_reward, format_reward, make_split
 
     config, size = CONFIGS[name], sizes(cli.smoke)
     fields = training_fields(cli, size)
@@ -191,7 +191,7 @@ def generation_alone(url: str, model: str, size: dict, seed: int) -> float:
     """G: seconds for the server to generate one step's completions with nothing else running (median of 3)."""
     from transformers import AutoTokenizer
 
-    from trl_async.arithmetic import TRAINING_SETTINGS, make_split
+    from trl_async.demo.arithmetic import TRAINING_SETTINGS, make_split
     from trl_async.engines.vllm.client import VLLMServer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -217,7 +217,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="gpu_bench")
-    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (trl_async.pretrained)")
+    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (trl_async.demo.pretrained)")
     parser.add_argument("--smoke", action="store_true", help="CPU harness check: tiny model and sizes, gloo")
     parser.add_argument("--server_python", default=None, help="the vLLM server's Python (default: this one)")
     parser.add_argument("--server_args", default="", type=shlex.split,
@@ -234,11 +234,11 @@ def main() -> None:
     size = sizes(cli.smoke)
     if cli.model is None:
         if cli.smoke:
-            from trl_async.tiny import save_tiny_model
+            from trl_async.demo.tiny import save_tiny_model
 
             cli.model = str(save_tiny_model(Path(tempfile.mkdtemp()) / "tiny", hidden_size=128, num_heads=2))
         else:
-            from trl_async.pretrained import smollm2_135m_instruct
+            from trl_async.demo.pretrained import smollm2_135m_instruct
 
             cli.model = smollm2_135m_instruct()
     work = Path(tempfile.mkdtemp(prefix="gpu_bench_"))

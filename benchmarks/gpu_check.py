@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl_async.engines.vllm.client import VLLMServer
-from trl_async.sync.policy import shard_resident
+from trl_async.weights.policy import shard_resident
 
 
 def reward(completions, **kwargs):

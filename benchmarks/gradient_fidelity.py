@@ -41,10 +41,10 @@ from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
 from trl_async.correction import off_policy_correction  # noqa: E402
+from trl_async.demo.tiny import save_tiny_model  # noqa: E402
 from trl_async.engines.transformers.worker import generate_groups  # noqa: E402
 from trl_async.records import RolloutTask  # noqa: E402
 from trl_async.sampling import context_ids, processors  # noqa: E402
-from trl_async.tiny import save_tiny_model  # noqa: E402
 
 MODES = ["none", "bypass", "tis", "mask", "seq_tis", "seq_mask", "decoupled"]
 TRUNCATED_MODES = ["decoupled_full", "decoupled_kept_mu"]  # pi_prox as before the fix; as TRL 1.17 renormalises

@@ -50,9 +50,9 @@ def transport(name: str, base_model) -> dict:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from trl_async.sync.adapters import adapter_tensors, merge_adapters
-    from trl_async.sync.policy import iter_policy_buckets, policy_specs
-    from trl_async.sync.shared_memory import SharedMemoryWeights
+    from trl_async.weights.lora import adapter_tensors, merge_adapters
+    from trl_async.weights.policy import iter_policy_buckets, policy_specs
+    from trl_async.weights.shared_memory import SharedMemoryWeights
 
     worker_model = copy.deepcopy(base_model).eval()  # a worker's plain copy
     model = get_peft_model(base_model, LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS,
@@ -93,9 +93,9 @@ def real_model_runs(steps: int) -> dict:
     from peft import LoraConfig
 
     from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
-    from trl_async.arithmetic import TRAINING_SETTINGS, correctness_reward, format_reward, make_split
+    from trl_async.demo.arithmetic import TRAINING_SETTINGS, correctness_reward, format_reward, make_split
+    from trl_async.demo.pretrained import smollm2_135m_instruct
     from trl_async.precision import recipe_precision
-    from trl_async.pretrained import smollm2_135m_instruct
 
     results = {}
     for mode in ("merged", "adapters"):
@@ -125,7 +125,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from trl_async.pretrained import smollm2_135m_instruct
+    from trl_async.demo.pretrained import smollm2_135m_instruct
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     rows = [transport("SmolLM2-135M", AutoModelForCausalLM.from_pretrained(smollm2_135m_instruct()))]

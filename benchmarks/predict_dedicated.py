@@ -1,4 +1,4 @@
-"""The pipeline simulator, out of sample: predict the dedicated-device runs from shared-core runs (issue 21 item 4).
+"""The pipeline simulator, out of sample: predict the dedicated-device runs from shared-core runs .
 
 Inputs come only from runs without pinning, never from the dedicated runs themselves. Two sets of one-core phase
 costs, each fed to the simulator in turn:

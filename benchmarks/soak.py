@@ -80,7 +80,7 @@ def main() -> None:
     import tiny_demo
 
     from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
-    from trl_async.tiny import save_tiny_model
+    from trl_async.demo.tiny import save_tiny_model
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=600)

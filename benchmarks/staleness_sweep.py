@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
-from trl_async.tiny import save_tiny_model  # noqa: E402
+from trl_async.demo.tiny import save_tiny_model  # noqa: E402
 
 
 class WallClock(TrainerCallback):

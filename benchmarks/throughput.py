@@ -54,7 +54,7 @@ from transformers import TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
-from trl_async.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
+from trl_async.demo.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 
 CORES = usable_cores()  # the affinity mask, not the host's count
 TOOL_THREADS = 16  # AsyncGRPOConfig.rollout_tool_threads' default: tool calls in flight at once
@@ -275,7 +275,7 @@ def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, 
             train_steps_s=[(e - b) - _overlap(waits, b, e) for b, e in zip(clock.step_begin, clock.step_end, strict=True)][warmup:],
             sync_s=statistics.fmean(syncs) if syncs else 0.0,
             score_s=statistics.median(e - s for s, e in scores) if scores else 0.0,
-            groups_per_call=trainer._rollout_batch_groups,
+            groups_per_call=trainer._geometry.groups_per_call,
             dropped_groups=pool.dropped_groups,  # too stale when consumed (or on arrival): generated again
             max_length=[h["completions/max_length"] for h in window],  # per step (one generate call per step here)
         )  # fmt: skip
@@ -296,7 +296,7 @@ def configs(regime: Regime, quick: bool) -> list[dict]:
     if regime.agentic:  # episodes wait seconds for their tool: room for several steps of staleness
         stalenesses = [2, 4, 8]
     out += [dict(kind="async", staleness=s) for s in stalenesses]
-    if regime.agentic:  # consumption in admission order (issue 24): strict, and within one batch (4 groups)
+    if regime.agentic:  # consumption in admission order: strict, and within one batch (4 groups)
         out += [dict(kind="async", staleness=s, consumption_window=w) for s, w in ((2, 1), (8, 1), (8, 4))]
     return out + [dict(kind="async", staleness=1, scoring_threads=n) for n in regime.scoring_threads]
 
@@ -365,7 +365,7 @@ def learning_curves(steps: int) -> dict:
     """Reward vs wall-clock on tiny_demo's task: sync GRPOTrainer (2 threads) vs async (max_staleness 1), same seed."""
     import tiny_demo
 
-    from trl_async.tiny import save_tiny_model
+    from trl_async.demo.tiny import save_tiny_model
 
     model_dir = str(save_tiny_model(tempfile.mkdtemp(prefix="lc_"), chars=tiny_demo.VOCAB))
     settings = {k: v for k, v in tiny_demo.DEMO_DEFAULTS.items() if k not in ("max_staleness", "num_rollout_workers")}

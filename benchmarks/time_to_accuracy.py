@@ -1,6 +1,6 @@
 """Time to accuracy on a real model: held-out greedy accuracy against wall-clock seconds, sync vs async.
 
-SmolLM2-135M-Instruct (``trl_async.pretrained``) on the arithmetic word problems (``trl_async.arithmetic``): every
+SmolLM2-135M-Instruct (``trl_async.demo.pretrained``) on the arithmetic word problems (``trl_async.demo.arithmetic``): every
 configuration trains the same number of steps on the same prompts (train split seeded by the run's seed) and is
 measured on the same held-out problems (other templates), greedy, every ``--eval_every`` steps and before training.
 Each run is its own process, launched fresh (start-up included in the clock: model load, worker start), and runs are
@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from trl_async.arithmetic import TRAINING_SETTINGS
+from trl_async.demo.arithmetic import TRAINING_SETTINGS
 from trl_async.precision import described_precision, recipe_precision
 
 HERE = Path(__file__).resolve().parent
@@ -68,13 +68,13 @@ CONFIGS: dict[str, dict] = {
     # a vLLM CPU server (float32, eager) on the same 2 cores at niceness 19, started once before its runs (its ~40 s
     # start-up is not in the clock: a server outlives training runs), weights pushed over gloo after every step
     "async_vllm": dict(kind="async", threads=2, env=PASSIVE, overrides=dict(rollout_backend="vllm"), vllm="shared"),
-    # which ready group trains next (issue 24): a vLLM lane sends one request per group, so groups come back in the
+    # which ready group trains next: a vLLM lane sends one request per group, so groups come back in the
     # order their completions end (short first); arrival order (the default) against strict admission order
     "async_vllm_s2": dict(kind="async", threads=2, env=PASSIVE, vllm="shared",
                           overrides=dict(rollout_backend="vllm", max_staleness=2)),  # fmt: skip
     "async_vllm_s2_w1": dict(kind="async", threads=2, env=PASSIVE, vllm="shared",
                              overrides=dict(rollout_backend="vllm", max_staleness=2, rollout_consumption_window=1)),  # fmt: skip
-    # A dedicated generation device, emulated with a core each (issue 21): generation on core 1, training on core 0
+    # A dedicated generation device, emulated with a core each: generation on core 1, training on core 0
     # (rollout_cpu_affinity pins the workers to core 1 and the trainer process to the rest). ded_sync is the same
     # pipeline at max_staleness=0: generate, then train, then sync, i.e. GRPOTrainer's server-mode schedule
     # (`trl vllm-serve` on its own GPU), each side waiting for the other. Its generation wait and training time are
@@ -88,7 +88,7 @@ CONFIGS: dict[str, dict] = {
                         overrides=dict(rollout_backend="vllm", rollout_cpu_affinity="1", max_staleness=1)),  # fmt: skip
     # what a user without a generation device has: TRL's GRPOTrainer alone on the training core
     "ded_grpo_1core": dict(kind="sync", threads=1, env={}, cores=[0]),
-    # dynamic sampling (issue 23): groups whose rewards are all equal are dropped before they take a batch slot and
+    # dynamic sampling: groups whose rewards are all equal are dropped before they take a batch slot and
     # new prompts are generated in their place; GRPOTrainer has no such option
     "async_ds": dict(kind="async", threads=2, env=PASSIVE, overrides=dict(dynamic_sampling=True)),
     "ded_async_s1_ds": dict(kind="async", threads=1, env={},
@@ -106,7 +106,7 @@ TASK = dict(  # the CPU demo's settings
     use_cpu=True,
     disable_tqdm=True,
 )
-# --task: the demo, or a sparse reward where most groups carry no signal (issue 23: the correct answer only, no
+# --task: the demo, or a sparse reward where most groups carry no signal (the correct answer only, no
 # format reward, temperature 1.0, lr 5e-6; on GRPOTrainer frac_reward_zero_std was 1 on 10 of 16 steps)
 TASKS = {"demo": dict(rewards=("correctness", "format"), train={}),
          "sparse": dict(rewards=("correctness",), train=dict(temperature=1.0, learning_rate=5e-6))}  # fmt: skip
@@ -125,9 +125,9 @@ def run_one(spec: dict) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
-    from trl_async.arithmetic import correctness_reward, format_reward, make_split
-    from trl_async.evaluation import greedy_accuracy
-    from trl_async.pretrained import smollm2_135m_instruct
+    from trl_async.demo.arithmetic import correctness_reward, format_reward, make_split
+    from trl_async.demo.evaluation import greedy_accuracy
+    from trl_async.demo.pretrained import smollm2_135m_instruct
 
     launched, eval_seconds = spec["launched_at"], [0.0]
     curve: list[dict] = []
@@ -445,7 +445,7 @@ def plot_step_times(runs: list[dict], configs: list[str], path: Path) -> None:
 
 
 def collect(cli) -> list[dict]:
-    from trl_async.pretrained import smollm2_135m_instruct
+    from trl_async.demo.pretrained import smollm2_135m_instruct
 
     model_dir = smollm2_135m_instruct()  # fetch and convert once, outside every run's clock
     runs = []

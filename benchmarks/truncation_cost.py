@@ -48,7 +48,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trl_async.pretrained import smollm2_135m_instruct
+    from trl_async.demo.pretrained import smollm2_135m_instruct
     from trl_async.sampling import SamplingSettings, proximal_logps
 
     torch.set_num_threads(cli.threads)

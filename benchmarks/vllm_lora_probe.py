@@ -1,4 +1,4 @@
-"""Does the CPU vLLM build serve a LoRA adapter, and sample from what peft computes? (issue 23: check before building
+"""Does the CPU vLLM build serve a LoRA adapter, and sample from what peft computes? (A check before building
 adapter-only sync to vLLM servers.)
 
 Starts the project's CPU vLLM server (tests/vllm_server.py: float32, eager) on SmolLM2-135M-Instruct with
@@ -47,7 +47,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tests.vllm_server import start_server
-    from trl_async.pretrained import smollm2_135m_instruct
+    from trl_async.demo.pretrained import smollm2_135m_instruct
 
     torch.manual_seed(0)
     model_dir = str(smollm2_135m_instruct())

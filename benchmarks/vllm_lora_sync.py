@@ -37,9 +37,9 @@ def run(mode: str, url: str, steps: int) -> dict:
     from peft import LoraConfig
 
     from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
-    from trl_async.arithmetic import TRAINING_SETTINGS, correctness_reward, format_reward, make_split
-    from trl_async.pretrained import smollm2_135m_instruct
-    from trl_async.sync.policy import policy_specs
+    from trl_async.demo.arithmetic import TRAINING_SETTINGS, correctness_reward, format_reward, make_split
+    from trl_async.demo.pretrained import smollm2_135m_instruct
+    from trl_async.weights.policy import policy_specs
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     work = tempfile.mkdtemp(prefix=f"vllm_lora_sync_{mode}_")
@@ -75,7 +75,7 @@ def main() -> None:
     import report
 
     from tests.vllm_server import start_server
-    from trl_async.pretrained import smollm2_135m_instruct
+    from trl_async.demo.pretrained import smollm2_135m_instruct
 
     model_dir = str(smollm2_135m_instruct())
     log = Path(tempfile.gettempdir()) / "vllm_lora_sync_server.log"

@@ -27,11 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.report import markdown_table, png_path, update_readme, write_json  # noqa: E402
+from trl_async.demo.tiny import save_tiny_model  # noqa: E402
 from trl_async.engines.vllm.client import VLLMServer  # noqa: E402
-from trl_async.engines.vllm.weights import VLLMWeightPusher, free_port, update_info  # noqa: E402
-from trl_async.sync.gloo import open_group, receive_buckets, send_buckets  # noqa: E402
-from trl_async.sync.policy import iter_policy_buckets, policy_specs  # noqa: E402
-from trl_async.tiny import save_tiny_model  # noqa: E402
+from trl_async.engines.vllm.push import VLLMWeightPusher, free_port, update_info  # noqa: E402
+from trl_async.weights.gloo import open_group, receive_buckets, send_buckets  # noqa: E402
+from trl_async.weights.policy import iter_policy_buckets, policy_specs  # noqa: E402
 
 SIZES = {"0.4M": dict(hidden_size=128, num_layers=2, num_heads=2), "10M": dict(hidden_size=512, num_layers=4, num_heads=8),
          "42M": dict(hidden_size=1024, num_layers=4, num_heads=16)}  # fmt: skip

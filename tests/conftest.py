@@ -84,7 +84,7 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
-    from trl_async.tiny import save_tiny_model
+    from trl_async.demo.tiny import save_tiny_model
 
     return str(save_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-qwen2"))
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from trl_async.arithmetic import (
+from trl_async.demo.arithmetic import (
     HELDOUT_TEMPLATES,
     TRAIN_TEMPLATES,
     correctness_reward,

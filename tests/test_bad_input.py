@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_async import AsyncGRPOTrainer
-from trl_async.tiny import build_char_tokenizer, build_tiny_model
+from trl_async.demo.tiny import build_char_tokenizer, build_tiny_model
 
 from .conftest import COMMON, async_args, letter_reward, no_rollout_children, text_dataset
 

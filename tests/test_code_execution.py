@@ -6,7 +6,7 @@ import pytest
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_async import AsyncGRPOTrainer
-from trl_async.code_task import HELDOUT_FUNCTIONS, TRAIN_FUNCTIONS, make_split
+from trl_async.demo.code_task import HELDOUT_FUNCTIONS, TRAIN_FUNCTIONS, make_split
 from trl_async.sandbox import Limits, SandboxResult
 from trl_async.sandbox.rewards import CodeExecutionReward, extract_code, parse_report, score, tool_text
 

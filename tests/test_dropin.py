@@ -146,7 +146,7 @@ def test_the_scorer_has_its_own_reward_tokenizers(tmp_path, tiny_model_dir):
     tokenizer.save_pretrained(reward_model_dir)
     trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=[reward_model_dir, length_reward],
                                args=async_args(tmp_path), train_dataset=text_dataset())  # fmt: skip
-    score_group = make_score_group(trainer)
+    score_group, scorers = make_score_group(trainer)
     group = RolloutGroup(group_id=0, prompt_index=0, prompt_ids=(5, 6), completion_ids=((7, 8),) * 4,
                          logprobs=((-1.0, -1.0),) * 4, versions=((0, 0),) * 4, worker_id=0, generate_s=0.0)  # fmt: skip
     results = []
@@ -158,7 +158,7 @@ def test_the_scorer_has_its_own_reward_tokenizers(tmp_path, tiny_model_dir):
         t.join()
     assert len(results) == 2 and torch.equal(results[0].rewards, results[1].rewards)
     theirs = trainer.reward_processing_classes[0]
-    first, second = (scorer.reward_processing_classes[0] for scorer in trainer._scorers)
+    first, second = (scorer.reward_processing_classes[0] for scorer in scorers)
     assert first.get_vocab() == theirs.get_vocab()
     # the Rust tokenizers, whose borrow is the problem: one per thread, none shared with the trainer
     assert len({id(theirs._tokenizer), id(first._tokenizer), id(second._tokenizer)}) == 3
@@ -203,7 +203,7 @@ def test_peft_lora_workers_receive_merged_weights(tmp_path, tiny_model_dir, targ
     untied embeddings; tied ones are refused, below)."""
     from peft import LoraConfig
 
-    from trl_async.tiny import save_tiny_model
+    from trl_async.demo.tiny import save_tiny_model
 
     model_dir = str(save_tiny_model(tmp_path / "untied", tie_word_embeddings=False))
     # the merged path (adapter-only sync, the default where it applies, is tests/test_lora_sync.py)

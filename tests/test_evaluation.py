@@ -7,7 +7,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_async import AsyncGRPOTrainer, evaluation
-from trl_async.evaluation import GreedyAccuracyCallback, greedy_completions
+from trl_async.demo.evaluation import GreedyAccuracyCallback, greedy_completions
 
 from .conftest import async_args
 

@@ -1,4 +1,4 @@
-"""Adapter-only LoRA weight sync (sync/adapters.py): workers hold the frozen base once, receive each version's adapter
+"""Adapter-only LoRA weight sync (weights/lora.py): workers hold the frozen base once, receive each version's adapter
 factors and merge them; what cannot go that way falls back to the merged full weights, saying why."""
 
 import copy
@@ -11,7 +11,8 @@ import torch
 
 from tests.conftest import KeepPublished, async_args, text_dataset
 from trl_async import AsyncGRPOTrainer
-from trl_async.sync.adapters import (
+from trl_async.demo.tiny import build_char_tokenizer, build_tiny_model
+from trl_async.weights.lora import (
     SCALES,
     LoraMerge,
     adapter_sync_blocker,
@@ -20,8 +21,7 @@ from trl_async.sync.adapters import (
     served_adapter,
     served_rank,
 )
-from trl_async.sync.policy import policy_specs, policy_units
-from trl_async.tiny import build_char_tokenizer, build_tiny_model
+from trl_async.weights.policy import policy_specs, policy_units
 
 TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
 
@@ -213,7 +213,7 @@ def test_what_cannot_go_adapter_only_falls_back_to_merged_weights_and_says_why(t
     """modules_to_save trains a full copy of lm_head: the workers then receive the merged full weights each time."""
     from peft import LoraConfig
 
-    from trl_async.tiny import save_tiny_model
+    from trl_async.demo.tiny import save_tiny_model
 
     model_dir = str(save_tiny_model(tmp_path / "untied", tie_word_embeddings=False))
     kept = KeepPublished()

@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+from trl_async.demo.tiny import build_char_tokenizer, build_tiny_model
 from trl_async.engines.transformers.worker import WorkerSpec
 from trl_async.engines.transformers.worker_process import ProcessBackend
 from trl_async.rollout.pool import PoolSettings, RolloutPool, RolloutWorkerError
 from trl_async.rollout.prompts import PromptStream
 from trl_async.rollout.scored import ScoredGroup
-from trl_async.tiny import build_char_tokenizer, build_tiny_model
 
 G = 2  # completions per group
 

@@ -22,7 +22,7 @@ from trl_async.precision import (
 from .conftest import async_args, letter_reward, text_dataset
 
 # feature flags as /proc/cpuinfo lists them (abridged to what matters plus neighbours that must not count)
-AMD_EPYC_AVX2 = {"sse4_2", "avx", "avx2", "f16c", "fma", "sha_ni", "vaes"}  # Zen 3: the machine of issue 20
+AMD_EPYC_AVX2 = {"sse4_2", "avx", "avx2", "f16c", "fma", "sha_ni", "vaes"}  # Zen 3, AVX2 only
 AMD_ZEN4 = AMD_EPYC_AVX2 | {"avx512f", "avx512_vnni", "avx512_bf16"}  # bf16 yes, AVX512-FP16 no
 XEON_ICELAKE = AMD_EPYC_AVX2 | {"avx512f", "avx512bw", "avx512_vnni"}  # AVX-512 without its bf16 extension
 XEON_SAPPHIRE_RAPIDS = XEON_ICELAKE | {"avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "amx_int8"}

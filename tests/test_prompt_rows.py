@@ -12,7 +12,7 @@ from transformers import AutoTokenizer, TrainerCallback
 from transformers.utils import chat_template_utils
 
 from trl_async import AsyncGRPOTrainer
-from trl_async.tiny import CHAT_TEMPLATE
+from trl_async.demo.tiny import CHAT_TEMPLATE
 
 from .conftest import async_args
 

@@ -91,8 +91,8 @@ def test_recipe_parses_the_vllm_server_command_line():
 def test_recipe_runs_the_arithmetic_task_on_the_real_model(tmp_path, capsys):
     """`--task arithmetic` with its YAML: SmolLM2-135M-Instruct (the default model), the local word problems, two
     async steps, and the held-out greedy accuracy logged by the trainer's own evaluation."""
+    from trl_async.demo.pretrained import smollm2_135m_instruct
     from trl_async.precision import recipe_precision
-    from trl_async.pretrained import smollm2_135m_instruct
 
     argv = [
         "--config", str(ROOT / "recipes/configs/arithmetic_cpu.yaml"), "--output_dir", str(tmp_path / "out"),

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from trl_async import AsyncGRPOTrainer
 from trl_async.records import RolloutGroup, RolloutTask
-from trl_async.rollout.custom_rollouts import _Call, build_group, replayed_output, with_extra_fields
+from trl_async.rollout.rollout_func import _Call, build_group, replayed_output, with_extra_fields
 
 from .conftest import async_args, no_rollout_children, text_dataset
 
@@ -75,7 +75,7 @@ def test_the_runner_delivers_each_turn_to_its_rollout_and_closing_ends_a_waiting
     others; the answered rollout finishes with its tokens' versions, the held one ends silently at close."""
     from types import SimpleNamespace
 
-    from trl_async.rollout.custom_rollouts import RolloutFuncRunner
+    from trl_async.rollout.rollout_func import RolloutFuncRunner
 
     submitted, finished, failed, hold = [], [], [], threading.Event()
 

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
+from trl_async.demo.tiny import build_char_tokenizer
 from trl_async.rollout.scoring import RewardFunctionError, RewardScorer, decode_completions
-from trl_async.tiny import build_char_tokenizer
 
 
 def make_scorer(*funcs):

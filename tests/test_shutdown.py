@@ -7,11 +7,11 @@ import time
 
 import pytest
 
+from trl_async.demo.tiny import build_char_tokenizer
 from trl_async.records import RolloutTask
-from trl_async.rollout.custom_rollouts import RolloutFuncRunner
 from trl_async.rollout.episodes import EnvironmentPool, EpisodeRunner
+from trl_async.rollout.rollout_func import RolloutFuncRunner
 from trl_async.rollout.tool_calls import ToolRunner
-from trl_async.tiny import build_char_tokenizer
 
 pytestmark = pytest.mark.unit  # threads only, no processes
 

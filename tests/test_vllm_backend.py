@@ -18,10 +18,10 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl_async.engines.vllm.backend import cut_after_eos
 from trl_async.engines.vllm.client import VLLMServer, VLLMServerError, completions_from_response, token_versions
-from trl_async.engines.vllm.weights import VLLMWeightPusher, free_port
+from trl_async.engines.vllm.push import VLLMWeightPusher, free_port
 from trl_async.rollout.pool import RolloutWorkerError
-from trl_async.sync.gloo import plan_buckets, receive_buckets, send_buckets
-from trl_async.sync.policy import iter_policy_buckets, policy_specs
+from trl_async.weights.gloo import plan_buckets, receive_buckets, send_buckets
+from trl_async.weights.policy import iter_policy_buckets, policy_specs
 
 # ---- no server ------------------------------------------------------------------------------------------------
 
@@ -121,7 +121,7 @@ def test_cut_after_first_eos():
 
 
 def _receive(port, names, dtypes, shapes, bucket_bytes, out):
-    from trl_async.sync.gloo import open_group
+    from trl_async.weights.gloo import open_group
 
     group = open_group("127.0.0.1", port, 1, 2, 30)
     out.put(
@@ -130,7 +130,7 @@ def _receive(port, names, dtypes, shapes, bucket_bytes, out):
 
 
 def test_gloo_buckets_arrive_intact_across_processes():
-    from trl_async.sync.gloo import open_group
+    from trl_async.weights.gloo import open_group
 
     tensors = {
         "a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
@@ -661,7 +661,7 @@ def non_loopback_address() -> str | None:
 
 @pytest.mark.unit
 def test_the_server_command_listens_on_loopback_unless_a_host_is_given(monkeypatch):
-    from trl_async import vllm_serve
+    from trl_async.engines.vllm import serve as vllm_serve
 
     ran = []
     monkeypatch.setattr(vllm_serve.os, "execv", lambda path, command: ran.append(command))

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from trl_async.sync.shared_memory import SharedMemoryWeights, weights_digest
-from trl_async.tiny import build_char_tokenizer, build_tiny_model
+from trl_async.demo.tiny import build_char_tokenizer, build_tiny_model
+from trl_async.weights.shared_memory import SharedMemoryWeights, weights_digest
 
 
 def test_publish_then_pull_copies_exactly_and_only_when_newer():
@@ -134,7 +134,7 @@ def test_a_zero3_shard_off_the_compute_device_or_swapped_out_is_not_sent_as_it_i
     own gather instead."""
     import enum
 
-    from trl_async.sync.policy import shard_resident
+    from trl_async.weights.policy import shard_resident
 
     Status = enum.Enum("PartitionedParamStatus", ["AVAILABLE", "NOT_AVAILABLE", "INFLIGHT"])
 

@@ -3,9 +3,9 @@
 import torch
 from transformers import GenerationConfig
 
+from trl_async.demo.tiny import build_char_tokenizer, build_tiny_model
 from trl_async.engines.transformers.worker import generate_groups
 from trl_async.records import RolloutTask
-from trl_async.tiny import build_char_tokenizer, build_tiny_model
 
 TEMPERATURE, TOP_K = 0.7, 6
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trl_async.engines.vllm.client import VLLMServer
-from trl_async.engines.vllm.weights import free_port
+from trl_async.engines.vllm.push import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".venv-vllm"
@@ -163,7 +163,7 @@ class Prestart:
 
     def _make(self, name: str):
         if name == "vllm_model_dir":  # a tiny model vLLM's CPU attention accepts (head size 64)
-            from trl_async.tiny import save_tiny_model
+            from trl_async.demo.tiny import save_tiny_model
 
             return str(save_tiny_model(self._workdir / "vllm-tiny" / "tiny-qwen2", hidden_size=128, num_heads=2))
         if name == "vllm_tool_model_dir":  # fitted in its own process: no GIL shared with the test running meanwhile

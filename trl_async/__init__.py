@@ -2,13 +2,17 @@
 correction). ``from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer``.
 
 The two names are loaded on first use: a rollout worker process imports ``trl_async.engines.transformers.worker``, which needs torch and
-transformers only, and importing the package eagerly would pull in TRL, peft and the trainer (~6 s per worker start).
+transformers only, and importing the package eagerly would pull in TRL, peft and the trainer (seconds per worker start).
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING
+
+from . import _moved
+
+_moved.install()  # old module paths (trl_async.sync, trl_async.arithmetic, ...) still import
 
 if TYPE_CHECKING:
     from .config import AsyncGRPOConfig

@@ -1,8 +1,7 @@
 """The rollout pool of one ``AsyncGRPOTrainer``, built from the trainer's settings: the engine (worker processes or
 vLLM servers), the episode or ``rollout_func`` runner, and the closures the pool's background threads call to
 tokenize prompts and score groups (each thread with its own tokenizer copies). Called once per ``train`` on the main
-process; what it creates that the trainer must close later (the tool runner, the scorers) it hands to the trainer
-as ``_tool_runner`` and ``_scorers``."""
+process; what it starts for the pool (the tool runner, the scorers) the pool closes with itself."""
 
 from __future__ import annotations
 
@@ -19,52 +18,56 @@ from .engines.transformers.worker import WorkerSpec
 from .engines.transformers.worker_process import ProcessBackend
 from .precision import device_precision
 from .records import RolloutGroup
-from .rollout.custom_rollouts import RolloutFuncRunner, with_extra_fields
 from .rollout.episodes import EnvironmentPool, EpisodeRunner
 from .rollout.filtering import SignalFilter
 from .rollout.pool import PoolSettings, RolloutPool
 from .rollout.prompts import PromptStream
+from .rollout.rollout_func import RolloutFuncRunner, with_extra_fields
 from .rollout.scored import ScoredGroup
 from .rollout.scoring import RewardScorer, decode_completions
 from .rollout.tool_calls import ToolRunner, split_tools
 from .sampling import SamplingSettings, settings_of
-from .sync.adapters import adapter_tensors
-from .sync.policy import policy_specs
+from .weights.lora import adapter_tensors
+from .weights.policy import policy_specs
 
 logger = logging.get_logger(__name__)
 
 
 def start_pool(trainer, progress: dict | None = None) -> RolloutPool:
     """``progress``: the checkpoint's record of completed prompts (``PromptProgress`` state), when resuming."""
-    args, a = trainer.args, trainer.async_args
+    args, a, geometry = trainer.args, trainer.async_args, trainer._geometry
     model = trainer.accelerator.unwrap_model(trainer.model)
     start_version = trainer.state.global_step
     settings = PoolSettings(
-        groups_per_batch=trainer._groups_per_batch,
-        steps_per_batch=trainer._steps_per_batch,
+        groups_per_batch=geometry.groups_per_batch,
+        steps_per_batch=geometry.steps_per_batch,
         max_staleness=a.max_staleness,
-        queue_size=trainer._queue_size,
+        queue_size=geometry.queue_size,
         timeout_s=a.rollout_timeout_s,
         start_version=start_version,
         num_generations=trainer.num_generations,
         verify_weights=a.rollout_verify_weights,
-        groups_per_call=trainer._rollout_batch_groups,
+        groups_per_call=geometry.groups_per_call,
         max_restarts=a.rollout_max_restarts,
         heartbeat_timeout_s=a.rollout_heartbeat_timeout_s,
         scoring_threads=a.rollout_scoring_threads,
         consumption_window=a.rollout_consumption_window,
     )
-    episodes = None
+    episodes, closers = None, []
     if trainer.tools or trainer.environment_factories:
-        episodes = episode_runner_factory(trainer)
+        tool_runner = ToolRunner(
+            a.rollout_tool_threads, a.rollout_tool_timeout_s, getattr(trainer, "async_loop", None)
+        )
+        closers.append(tool_runner.close)
+        episodes = episode_runner_factory(trainer, tool_runner)
     elif trainer.rollout_func is not None:
         episodes = rollout_func_runner_factory(trainer)
     prompts = PromptStream(
         len(trainer.train_dataset),
-        trainer._groups_per_batch,
+        geometry.groups_per_batch,
         shuffle=trainer.shuffle_dataset,
         seed=args.seed,
-        skip_batches=start_version // trainer._steps_per_batch,  # a checkpoint without PromptProgress
+        skip_batches=start_version // geometry.steps_per_batch,  # a checkpoint without PromptProgress
         progress=progress,
     )
     backend = vllm_backend(trainer, model) if a.rollout_backend == "vllm" else process_backend(trainer, model)
@@ -73,27 +76,27 @@ def start_pool(trainer, progress: dict | None = None) -> RolloutPool:
         keep = None
         if a.dynamic_sampling:  # groups without signal never take a batch slot
             keep = SignalFilter(trainer.reward_weights, args.multi_objective_aggregation, trainer.reward_func_names,
-                                trainer._groups_per_batch, a.dynamic_sampling_limit).keep  # fmt: skip
-        return RolloutPool(
-            backend, settings, prompts, read_row, make_tokenize_row(trainer), make_score_group(trainer), episodes, keep
-        )
+                                geometry.groups_per_batch, a.dynamic_sampling_limit).keep  # fmt: skip
+        score_group, scorers = make_score_group(trainer)
+        closers.append(lambda: [scorer.close() for scorer in scorers])
+        return RolloutPool(backend, settings, prompts, read_row, make_tokenize_row(trainer), score_group, episodes,
+                           keep, closers)  # fmt: skip
     except BaseException:
-        if hasattr(backend, "close"):  # colocated vLLM servers must not outlive a pool that never started
-            backend.close()
+        backend.close()  # colocated vLLM servers must not outlive a pool that never started
+        for close in closers:
+            close()
         raise
 
 
-def episode_runner_factory(trainer):
+def episode_runner_factory(trainer, tool_runner: ToolRunner):
     """Multi-turn episodes with ``tools`` (rollout/episodes.py): parsed and rendered with GRPOTrainer's own response
     parser, chat template and tool-suffix rendering, on copies made here (the runner's thread owns them)."""
-    a = trainer.async_args
-    trainer._tool_runner = ToolRunner(a.rollout_tool_threads, a.rollout_tool_timeout_s, getattr(trainer, "async_loop", None))
     config = trainer.accelerator.unwrap_model(trainer.model).config
     kwargs = dict(
         tokenizer=copy.deepcopy(trainer._tokenizer), chat_template=trainer.chat_template,
         chat_template_kwargs=dict(trainer.chat_template_kwargs), tools=list(trainer.tools),
         max_rounds=trainer.max_tool_calling_iterations, max_completion_length=trainer.max_completion_length,
-        max_model_len=getattr(config, "max_position_embeddings", None), tool_runner=trainer._tool_runner,
+        max_model_len=getattr(config, "max_position_embeddings", None), tool_runner=tool_runner,
         tool_dicts=split_tools(trainer.tools), num_generations=trainer.num_generations,
     )  # fmt: skip
     if trainer.environment_factories is not None:  # each episode: its own instance, reset, methods as tools
@@ -144,10 +147,10 @@ def process_backend(trainer, model) -> ProcessBackend:
         )
         for i in range(a.num_rollout_workers)
     ]
-    if trainer._adapter_sync:  # the frozen rest once, the adapters every version (sync/adapters.py)
+    if trainer._adapter_sync:  # the frozen rest once, the adapters every version (weights/lora.py)
         adapters, frozen = policy_specs(model, part="adapters"), policy_specs(model, part="frozen")
-        return ProcessBackend(specs, adapters, trainer._rollout_batch_groups, base_specs=frozen)
-    return ProcessBackend(specs, policy_specs(model), trainer._rollout_batch_groups)
+        return ProcessBackend(specs, adapters, trainer._geometry.groups_per_call, base_specs=frozen)
+    return ProcessBackend(specs, policy_specs(model), trainer._geometry.groups_per_call)
 
 
 def vllm_urls(trainer) -> list[str]:
@@ -240,7 +243,7 @@ def _vllm_backend(trainer, model, urls: list[str], owned: list):
             sampling_params=sampling,
             eos_token_ids=tuple(trainer.eos_token_ids),
             seed=args.seed + 1_000_003 * (i + 1) + 100_003 * trainer.state.global_step,
-            max_requests=a.rollout_vllm_max_requests or min(trainer._queue_size, 256),  # a thread each
+            max_requests=a.rollout_vllm_max_requests or min(trainer._geometry.queue_size, 256),  # a thread each
             request_timeout_s=a.rollout_timeout_s,
             retry_s=a.rollout_vllm_retry_s,
         )
@@ -248,7 +251,7 @@ def _vllm_backend(trainer, model, urls: list[str], owned: list):
     ]
     return VLLMBackend(
         specs,
-        max_outstanding=trainer._queue_size,
+        max_outstanding=trainer._geometry.queue_size,
         weight_specs=policy_specs(model, persistent_only=True),
         transport=a.rollout_vllm_weight_transport,  # 'auto': what the servers say (their /server_info)
         trainer_device=str(trainer.accelerator.device),
@@ -310,12 +313,13 @@ def make_tokenize_row(trainer):
     return tokenize_row
 
 
-def make_score_group(trainer):
-    """``score_group`` for the pool's scoring threads: each thread gets its own scorer and tokenizer copies (a
-    fast tokenizer used from two threads at once fails: "Already borrowed"; the main thread keeps the trainer's,
-    which evaluate() uses). Reward models and functions themselves are shared."""
+def make_score_group(trainer) -> tuple:
+    """``(score_group, scorers)``: ``score_group`` for the pool's scoring threads, each of which gets its own scorer
+    and tokenizer copies (a fast tokenizer used from two threads at once fails: "Already borrowed"; the main thread
+    keeps the trainer's, which evaluate() uses), and the list of those scorers, to close. Reward models and
+    functions themselves are shared."""
     local = threading.local()
-    trainer._scorers = scorers = []
+    scorers: list[RewardScorer] = []
     group_size = trainer.num_generations
 
     def own() -> tuple:
@@ -348,4 +352,4 @@ def make_score_group(trainer):
         rewards, extra_logs, metrics = scorer.score(rows, completions, list(group.completion_ids), environments)
         return ScoredGroup(group, 0, rewards, extra_logs, metrics, row)
 
-    return score_group
+    return score_group, scorers

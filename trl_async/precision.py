@@ -7,9 +7,7 @@ flags (unit-tested on the flag combinations of real CPUs and GPUs); ``device_pre
 Why flags and not a timed probe: the answer is needed at construction, before any model is loaded, and must be the
 same on a busy machine as on a quiet one; a probe of a few milliseconds is noisy on 2 shared cores, and the flags
 are exactly what oneDNN dispatches on (``torch.cpu._is_avx512_bf16_supported`` is the same test).
-
-Measured (``benchmarks/forward_backward.py``): on an AVX2-only AMD EPYC, one forward+backward of SmolLM2-135M under bf16
-autocast took 347 s against 13.3 s in float32 (26x slower); on an AMX Xeon, bf16 autocast trained 1.6x faster.
+``benchmarks/forward_backward.py`` measures what the choice is worth on a machine.
 """
 
 from __future__ import annotations

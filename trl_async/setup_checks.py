@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import is_peft_model
@@ -45,7 +46,7 @@ def check_lora_on_tied_embeddings(model: nn.Module) -> None:
     layer tied to the embedding): the trainer's forward adds it in the adapted layer only, while a worker given the
     merged weight would use it in both (the tie), sampling from another policy. Refused rather than silently corrected
     as staleness. ``model``: a peft model."""
-    from .sync.adapters import clean_peft_name
+    from .weights.lora import clean_peft_name
 
     owners: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -150,19 +151,30 @@ def check_after_loading(trainer) -> None:
     if cpu_workers and trainer.accelerator.device.type == "cpu" and os.environ.get("OMP_WAIT_POLICY") != "PASSIVE":
         logger.warning(
             "The trainer and its rollout workers share the CPU cores, and OMP_WAIT_POLICY is not PASSIVE: the "
-            "trainer's idle OpenMP threads spin and take cycles from the workers (with neither side passive: 0.87x "
-            "the steps per minute on 2 cores, benchmarks/README.md). Set OMP_WAIT_POLICY=PASSIVE in the "
+            "trainer's idle OpenMP threads spin and take cycles from the workers (fewer steps per minute: "
+            "benchmarks/README.md, 'How the cores are split'). Set OMP_WAIT_POLICY=PASSIVE in the "
             "environment before torch is imported (the recipes do); workers get it by default."
         )
     if trainer.args.use_transformers_continuous_batching:
         logger.warning("use_transformers_continuous_batching is ignored: rollout workers use `generate`.")
 
 
-def pool_geometry(args, num_generations: int, async_args) -> tuple[int, int, int, int]:
-    """``(groups per generation batch, optimizer steps per batch, queue size, groups per generate call)``, with the
-    queue checked against one batch."""
+@dataclass(frozen=True)
+class PoolGeometry:
+    """How the pool's work is cut, computed once from the config."""
+
+    groups_per_batch: int  # groups of one generation batch
+    steps_per_batch: int  # optimizer steps one generation batch feeds
+    queue_size: int  # scored groups waiting at most
+    groups_per_call: int  # groups per generate call of a lane
+
+
+def pool_geometry(args, num_generations: int, async_args) -> PoolGeometry:
+    """The pool's geometry, with the queue checked against one batch."""
     groups_per_batch = args.generation_batch_size // num_generations
-    steps_per_batch = args.steps_per_generation * getattr(args, "num_iterations", 1) // args.gradient_accumulation_steps
+    steps_per_batch = (
+        args.steps_per_generation * getattr(args, "num_iterations", 1) // args.gradient_accumulation_steps
+    )
     queue_default = (async_args.max_staleness // steps_per_batch + 1) * groups_per_batch
     queue_size = async_args.rollout_queue_size or queue_default
     if queue_size < groups_per_batch:
@@ -172,15 +184,15 @@ def pool_geometry(args, num_generations: int, async_args) -> tuple[int, int, int
             f"get a full batch. Set rollout_queue_size >= {groups_per_batch} or leave it None."
         )
     per_call = async_args.rollout_batch_groups or math.ceil(groups_per_batch / async_args.num_rollout_workers)
-    return groups_per_batch, steps_per_batch, queue_size, per_call
+    return PoolGeometry(groups_per_batch, steps_per_batch, queue_size, per_call)
 
 
 def adapter_only_sync(trainer) -> bool:
-    """Whether weight syncs send the LoRA adapters alone (``rollout_lora_sync="adapters"``, sync/adapters.py). Where a
+    """Whether weight syncs send the LoRA adapters alone (``rollout_lora_sync="adapters"``, weights/lora.py). Where a
     peft model's updates cannot go that way, the main process says why once and the merged full weights are sent
     (every rank decides alike: it depends on the model's structure only)."""
-    from .sync.adapters import adapter_sync_blocker
-    from .sync.policy import policy_units
+    from .weights.lora import adapter_sync_blocker
+    from .weights.policy import policy_units
 
     model = trainer.accelerator.unwrap_model(trainer.model)
     if not is_peft_model(model):
@@ -206,7 +218,7 @@ def agreed_adapter_sync(trainer) -> bool:
     ``--max-lora-rank``, is found only then (the backend says why, logged here); every rank takes the main process's
     answer, since all of them stream the same part of the model."""
     agreed = trainer._adapter_sync
-    blocker = getattr(trainer._pool.backend, "adapter_blocker", None) if trainer._pool is not None else None
+    blocker = trainer._pool.backend.adapter_blocker if trainer._pool is not None else None
     if agreed and blocker is not None:
         _say_merged_instead(blocker)
         agreed = False

@@ -34,11 +34,10 @@ from .engines.vllm.colocate import trainer_gpu_groups
 from .pool_setup import rollout_sampling, start_pool
 from .progress import AsyncProgressCallback, batch_metrics
 from .records import RolloutGroup
-from .rollout.custom_rollouts import RolloutFuncRunner, generate_with_trainer_model, replayed_output
 from .rollout.pool import RolloutPool
+from .rollout.rollout_func import RolloutFuncRunner, generate_with_trainer_model, replayed_output
 from .rollout.scored import ScoredGroup
-from .rollout.scoring import RewardScorer, unsharded_reward_models
-from .rollout.tool_calls import ToolRunner
+from .rollout.scoring import unsharded_reward_models
 from .sampling import proximal_logps
 from .setup_checks import (
     adapter_only_sync,
@@ -48,8 +47,8 @@ from .setup_checks import (
     pool_geometry,
     refuse_before_loading,
 )
-from .sync.policy import iter_policy_buckets
 from .trajectories import append_jsonl, trajectory_records
+from .weights.policy import iter_policy_buckets
 
 logger = logging.get_logger(__name__)
 
@@ -100,7 +99,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         rollout_func=None,
         environment_factory=None,
     ):
-        refuse_before_loading(model, args, train_dataset, quantization_config, rollout_func, tools, environment_factory)
+        refuse_before_loading(
+            model, args, train_dataset, quantization_config, rollout_func, tools, environment_factory
+        )
         settings = async_fields_of(args) if args is not None else None  # TRL's use_vllm/vllm_mode resolved here
         rank = get_int_from_env(["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK"], 0)
         if (settings is None or settings.rollout_backend == "transformers") and rank == 0:
@@ -139,13 +140,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._scoring_reward_funcs = unsharded_reward_models(
             self.reward_funcs, self._dist, self.accelerator.is_main_process, self.accelerator.device
         )
-        geometry = pool_geometry(self.args, self.num_generations, self.async_args)
-        self._groups_per_batch, self._steps_per_batch, self._queue_size, self._rollout_batch_groups = geometry
+        self._geometry = pool_geometry(self.args, self.num_generations, self.async_args)
         self._pool: RolloutPool | None = None  # main process only
         self._core_split = None  # rollout_cpu_affinity: the trainer's and each worker's cores (cores.CoreSplit)
         self._pinned: PinnedTrainer | None = None  # rollout_cpu_affinity, while training
-        self._scorers: list[RewardScorer] = []  # one per scoring thread of the pool, main process only
-        self._tool_runner: ToolRunner | None = None  # with tools, main process only
         self._pool_started = False
         self.last_rollout_pool: RolloutPool | None = None
         self._consuming: list[tuple[ScoredGroup, int]] | None = None  # (group, completion index) per local row
@@ -177,12 +175,6 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 pool, self._pool = self._pool, None
                 self.last_rollout_pool = pool
                 pool.close()
-            if self._tool_runner is not None:  # after the pool: its episode runner has stopped
-                self._tool_runner.close()
-                self._tool_runner = None
-            for scorer in self._scorers:  # after the pool: its scoring threads have stopped
-                scorer.close()
-            self._scorers = []
         finally:
             if self._pinned is not None:  # rollout_cpu_affinity: the trainer gets its cores and threads back
                 pinned, self._pinned = self._pinned, None
@@ -231,7 +223,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def _save_checkpoint(self, model, trial):
         if self._pool is not None:  # main process: record the completed prompts before trainer_state.json is written
             # a batch taken at version v is complete once steps v .. v + steps_per_batch - 1 are done
-            done = self._pool.prompt_progress(self.state.global_step - self._steps_per_batch)
+            done = self._pool.prompt_progress(self.state.global_step - self._geometry.steps_per_batch)
             for callback in self.callback_handler.callbacks:
                 if isinstance(callback, PromptProgress):
                     callback.next_position, callback.consumed_after = done["next_position"], done["consumed_after"]
@@ -320,7 +312,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         while True:
             payload = [None]
             if self._pool is not None:  # main process: take the next generation batch for all ranks
-                payload = [self._pool.take(self._groups_per_batch, self.state.global_step)]
+                payload = [self._pool.take(self._geometry.groups_per_batch, self.state.global_step)]
             if self.accelerator.num_processes > 1:
                 self._check_all_ranks_arrive("the next rollout batch")
                 payload = broadcast_object_list(payload, from_process=0)
@@ -562,6 +554,6 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def _correction_from_loss_forward(self) -> bool:
         a = self.async_args
         return (
-            self._steps_per_batch == 1 and a.off_policy_correction != "none" and not a.off_policy_bypass
+            self._geometry.steps_per_batch == 1 and a.off_policy_correction != "none" and not a.off_policy_bypass
             and not self._sampling_differs  # the weight needs the processed distribution: logits, not log-probs
         )  # fmt: skip

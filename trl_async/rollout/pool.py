@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -26,7 +26,7 @@ import torch
 from transformers.utils import logging
 
 from ..records import RolloutGroup, RolloutTask
-from ..sync.shared_memory import Digest
+from ..weights.shared_memory import Digest
 from .consumption import next_ready
 from .lanes import Lanes, RolloutWorkerError  # noqa: F401 - RolloutWorkerError: raised to the trainer
 from .prompts import PromptStream
@@ -34,9 +34,7 @@ from .scored import ScoredGroup, TakeStats
 from .staleness import max_groups_admitted, staleness
 
 if TYPE_CHECKING:
-    from ..engines.transformers.worker_process import ProcessBackend
-    from ..engines.vllm.backend import VLLMBackend
-    from .episodes import EpisodeRunner
+    from .interfaces import Backend, GroupRunner
 
 logger = logging.get_logger(__name__)
 
@@ -61,19 +59,22 @@ class PoolSettings:
 class RolloutPool:
     def __init__(
         self,
-        backend: ProcessBackend | VLLMBackend,
+        backend: Backend,
         settings: PoolSettings,
         prompts: PromptStream,
         read_row: Callable[[int], dict],
         tokenize_row: Callable[[int, dict], tuple[int, ...]],
         score_group: Callable[[RolloutGroup, dict, list | None], ScoredGroup],
-        episodes: Callable[..., EpisodeRunner] | None = None,
+        episodes: Callable[..., GroupRunner] | None = None,
         keep: Callable[[torch.Tensor], bool] | None = None,
+        closers: Sequence[Callable[[], None]] = (),
     ) -> None:
-        """``episodes`` (multi-turn rollouts with tools): builds the ``EpisodeRunner`` that turns each group's first
-        turn into whole episodes, given ``submit_turn``, ``finished`` and ``fail`` callbacks. ``keep`` (dynamic
+        """``episodes`` (multi-turn rollouts with tools, or ``rollout_func``): builds the ``GroupRunner`` that turns
+        each group's first turn into whole episodes, given ``submit_turn``, ``finished`` and ``fail`` callbacks. ``keep`` (dynamic
         sampling, filtering.py): given a scored group's rewards, whether it may train; a group it rejects gives its
-        admission slot back and its prompt counts as consumed (not retried, as DAPO)."""
+        admission slot back and its prompt counts as consumed (not retried, as DAPO). ``closers``: what was started
+        for this pool (a tool runner, reward scorers), closed by ``close`` once its threads have stopped."""
+        self._closers = list(closers)
         self.settings = settings
         self._prompts = prompts
         self._read_row = read_row
@@ -257,6 +258,8 @@ class RolloutPool:
             self._episodes.close()
         self.lanes.stop(timeout_s)
         self.backend.close()
+        for close in self._closers:  # after the threads and the episode runner that used them
+            close()
         if unreported is not None:
             logger.warning("rollouts failed after the last batch was taken (nothing trained on it): %r", unreported)
 

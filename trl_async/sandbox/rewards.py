@@ -12,7 +12,7 @@ by ordinary means (its report carries a random token the program is not shown; i
 attributes; a report that does not count the row's tests is a crash), but a program written to forge its score can
 still reach the harness through the interpreter's internals (frames, the garbage collector), and a result object
 whose ``__eq__`` always answers True passes an ``assert f(x) == y`` test: write tests that compare ``repr`` or
-check types, as ``trl_async.code_task`` does. The sandbox protects the machine from the program, not the reward
+check types, as ``trl_async.demo.code_task`` does. The sandbox protects the machine from the program, not the reward
 from a program that sets out to forge it.
 """
 

@@ -12,7 +12,7 @@ server applies at scale 1 (engines/vllm/adapters.py loads it as a named adapter)
 What cannot go adapter-only (``adapter_sync_blocker`` says why) falls back to the merged full weights: LoRA on
 embeddings or convolutions, and any trainable parameter outside the adapters (``modules_to_save``, peft's
 ``bias="all"``/``"lora_only"``). DoRA and other variants and ``lora_bias`` are refused at construction
-(``sync/policy.py``): neither way sends them. This module must not import the trainer, peft or
+(``weights/policy.py``): neither way sends them. This module must not import the trainer, peft or
 deepspeed at import time: the rollout workers import it.
 """
 
@@ -64,7 +64,7 @@ def adapter_sync_blocker(model: torch.nn.Module) -> str | None:
         active = [a for a in module.active_adapters if a in module.lora_A or a in module.lora_embedding_A]
         if not isinstance(module, LoraLinear) or any(a in module.lora_embedding_A for a in active):
             return f"LoRA on `{clean_peft_name(name)}` ({type(module.get_base_layer()).__name__}, not nn.Linear)"
-        for a in active:  # (variants such as DoRA, and lora_bias, are refused before this: sync/policy.py)
+        for a in active:  # (variants such as DoRA, and lora_bias, are refused before this: weights/policy.py)
             factors.update(id(p) for p in (module.lora_A[a].weight, module.lora_B[a].weight))
     others = [clean_peft_name(n) for n, p in model.named_parameters() if p.requires_grad and id(p) not in factors]
     if others:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .adapters import SCALES, adapter_tensors, clean_peft_name
 from .gloo import plan_buckets
+from .lora import SCALES, adapter_tensors, clean_peft_name
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def _peft_units(model, persistent_only: bool) -> list[_Unit]:
 
 
 def is_peft(model: torch.nn.Module) -> bool:
-    # not accelerate's is_peft_model: it reads package metadata on every call (~7 ms), and this runs every sync
+    # not accelerate's is_peft_model: it reads package metadata on every call, and this runs every sync
     return hasattr(model, "get_base_model") and getattr(model, "peft_config", None) is not None
 
 
@@ -110,7 +110,7 @@ def _frozen_units(model, persistent_only: bool) -> list[_Unit]:
 
 
 def _adapter_units(model) -> list[_Unit]:
-    """The active adapters' factors, then one float64 tensor of their scales (sync/adapters.py)."""
+    """The active adapters' factors, then one float64 tensor of their scales (weights/lora.py)."""
     factors, scales, _ = adapter_tensors(model)
     scale_tensor = torch.tensor(scales, dtype=torch.float64)
     units = [_unit(n, p) for n, p in factors]
@@ -126,7 +126,7 @@ def policy_units(model: torch.nn.Module, persistent_only: bool = False, part: st
     """What the workers receive, in a fixed order: parameters then buffers (only checkpointed ones with
     ``persistent_only``), under the base model's names. ``part`` (peft models): "full", the merged model; "frozen",
     everything outside the adapters, unmerged (sent once); "adapters", the adapter factors and their scales (sent
-    every version, sync/adapters.py)."""
+    every version, weights/lora.py)."""
     if part not in PARTS or (part != "full" and not is_peft(model)):
         raise ValueError(f"part={part!r}: one of {PARTS}, and only 'full' for a model without adapters")
     if part == "frozen":

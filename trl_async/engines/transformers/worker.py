@@ -24,8 +24,8 @@ import torch
 
 from ...records import RolloutGroup, RolloutTask, WeightsAdopted, WorkerFailed, WorkerReady
 from ...sampling import processors, settings_of
-from ...sync.adapters import LoraMerge, merge_adapters
-from ...sync.shared_memory import SharedMemoryWeights, weights_digest
+from ...weights.lora import LoraMerge, merge_adapters
+from ...weights.shared_memory import SharedMemoryWeights, weights_digest
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class WorkerSpec:
     seed: int
     verify_weights: bool
     cpu_affinity: tuple[int, ...] | None = None  # the cores it runs on (rollout_cpu_affinity), else inherited
-    # adapter-only LoRA sync (sync/adapters.py): how to rebuild each adapted weight from the frozen base and the
+    # adapter-only LoRA sync (weights/lora.py): how to rebuild each adapted weight from the frozen base and the
     # factors of a version; empty when the workers receive full weights
     lora_merges: tuple[LoraMerge, ...] = ()
 
@@ -223,8 +223,8 @@ def build_policy_copy(spec: WorkerSpec) -> torch.nn.Module:
         model = spec.model_class(config)
     model.tie_weights()  # skipping the initialisation also skips tying (transformers 5): tied weights stay one tensor
     # generate() fills unset fields from the model's generation_config, which a model built from a config derives
-    # from config.use_cache: without this, every decode step re-runs the whole sequence (9x slower measured at 32
-    # tokens, growing with length)
+    # from config.use_cache: without this, every decode step re-runs the whole sequence (many times slower, growing
+    # with length)
     model.generation_config.use_cache = True
     for name in NEUTRAL_SAMPLING:  # sampling comes from the trainer's config alone; nothing refilled behind the hook
         setattr(model.generation_config, name, None)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...records import RolloutTask
-from ...sync.shared_memory import Digest, SharedMemoryWeights
+from ...weights.shared_memory import Digest, SharedMemoryWeights
 from ..held import HoldsTasks
 from .worker import WorkerSpec, worker_main
 
@@ -164,7 +164,7 @@ class WorkerProcess(HoldsTasks):
 def worker_context(model_module: str | None = None):
     """The multiprocessing context workers start in: a forkserver that has imported torch, transformers and the
     worker once, so each worker (and each restart) is a fork of it instead of a fresh interpreter importing them
-    again (~3.5 s of CPU per worker on a 2-core EPYC). The forkserver starts when the trainer is built
+    again (seconds of CPU per worker). The forkserver starts when the trainer is built
     (``prestart_worker_server``) or with the first worker, so workers see the environment, CPU mask and output streams
     of that moment (``OMP_WAIT_POLICY`` included, see ``_worker_environment``), and it is one per process: a later
     trainer in the same process reuses it. ``__main__`` is not in its preload list and is hidden while it starts
@@ -176,14 +176,14 @@ def worker_context(model_module: str | None = None):
     if sys.platform != "linux" or "forkserver" not in multiprocessing.get_all_start_methods():
         return torch.multiprocessing.get_context("spawn")
     ctx = torch.multiprocessing.get_context("forkserver")
-    # transformers.modeling_utils: 1.5 s of a worker's start otherwise (every model class imports it)
+    # transformers.modeling_utils: most of a worker's start otherwise (every model class imports it)
     preload = ["torch", "transformers", "transformers.generation", "transformers.modeling_utils", __name__]
     ctx.set_forkserver_preload(preload + ([model_module] if model_module else []))
     return ctx
 
 
 def prestart_worker_server(model=None) -> None:
-    """Start the workers' forkserver now, without waiting for it: its imports (~4 s on a 2-core EPYC) then overlap
+    """Start the workers' forkserver now, without waiting for it: its imports (seconds) then overlap
     the trainer's own set-up instead of delaying the first worker, which the first training step waits for. ``model``
     (an instance): its class's module joins the imports. Workers see the environment and CPU mask of this moment
     (``worker_context``). No-op where workers are spawned or the forkserver already runs."""
@@ -204,6 +204,8 @@ class ProcessBackend:
 
     restartable = True
     resync_wanted = False  # a restarted worker reads the shared weights itself: no publish is needed to re-attach it
+    restart_note = "restarted it"
+    adapter_blocker = None  # workers merge any adapter the trainer can send alone
 
     def __init__(
         self, specs: list[WorkerSpec], weight_specs: dict, groups_per_call: int, base_specs: dict | None = None

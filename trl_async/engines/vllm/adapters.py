@@ -36,7 +36,7 @@ import torch
 from transformers.utils import logging
 
 from .client import VLLMServer
-from .weights import _all
+from .push import _all
 
 logger = logging.get_logger(__name__)
 

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import logging
 
-from ...sync.adapters import LoraMerge, served_adapter, served_rank
+from ...weights.lora import LoraMerge, served_adapter, served_rank
 from .adapters import ServedAdapters
 from .client import VLLMServer, VLLMServerError
-from .lane import VLLMLane, VLLMLaneSpec, cut_after_eos  # noqa: F401 - the backend's pieces, importable from here
+from .push import Buckets, VLLMWeightPusher
 from .reattach import Return, identity
-from .weights import Buckets, VLLMWeightPusher
+from .server_lane import VLLMLane, VLLMLaneSpec, cut_after_eos  # noqa: F401 - the backend's pieces, importable from here
 
 logger = logging.get_logger(__name__)
 PROBE = (1, 2, 3, 4, 5, 6, 7, 8)  # the prompt a returning server and a peer both complete greedily

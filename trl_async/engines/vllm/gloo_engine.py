@@ -16,7 +16,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from ...sync.gloo import open_group, receive_buckets
+from ...weights.gloo import open_group, receive_buckets
 
 
 @dataclass

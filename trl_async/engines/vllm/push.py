@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ...sync.gloo import open_group, send_buckets
+from ...weights.gloo import open_group, send_buckets
 from .client import VLLMServer
 
 Buckets = Iterable[Sequence[tuple[str, torch.Tensor]]]
