@@ -11,7 +11,7 @@ import copy
 import os
 import warnings
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from trl import GRPOConfig
@@ -22,11 +22,16 @@ from .generation_modes import refused_generation_kwargs
 from .precision import NativePrecision
 from .sampling import SAMPLER_FIELDS, VLLM_GREEDY_BELOW, refused_sampling
 
-ROLLOUT_BACKENDS = ("transformers", "vllm")
+# the allowed values, written once: the fields' annotations (which TRL's parser reads as choices) and the checks
+RolloutBackend = Literal["transformers", "vllm"]
+WeightTransport = Literal["auto", "nccl", "gloo"]
+WeightUpdatePoint = Literal["batch", "decode_step"]
+OffPolicyCorrection = Literal["decoupled", "tis", "mask", "seq_tis", "seq_mask", "none"]
+ROLLOUT_BACKENDS = get_args(RolloutBackend)
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
-WEIGHT_TRANSPORTS = ("auto", "nccl", "gloo")
-WEIGHT_UPDATE_POINTS = ("batch", "decode_step")
-OFF_POLICY_CORRECTIONS = ("decoupled", "tis", "mask", "seq_tis", "seq_mask", "none")
+WEIGHT_TRANSPORTS = get_args(WeightTransport)
+WEIGHT_UPDATE_POINTS = get_args(WeightUpdatePoint)
+OFF_POLICY_CORRECTIONS = get_args(OffPolicyCorrection)
 DEFAULT_CAPS = {"decoupled": 5.0}  # AReaL's behav_imp_weight_cap in its examples; 2.0 (verl/SkyRL TIS) otherwise
 
 
@@ -41,7 +46,7 @@ class AsyncFields:
     """The async-only settings. Three of them are the dials of async RL: ``max_staleness``,
     ``rollout_batch_groups`` and ``weight_sync_steps``."""
 
-    rollout_backend: Literal["transformers", "vllm"] | None = field(
+    rollout_backend: RolloutBackend | None = field(
         default=None,
         metadata={
             "help": "Generation engine. 'transformers': background worker processes that run `model.generate` on "
@@ -59,7 +64,7 @@ class AsyncFields:
             "vllm_server_port. The trainer waits `vllm_server_timeout` seconds for them to be healthy."
         },
     )
-    rollout_vllm_weight_transport: Literal["auto", "nccl", "gloo"] = field(
+    rollout_vllm_weight_transport: WeightTransport = field(
         default="auto",
         metadata={
             "help": "How weights reach the vLLM servers: 'nccl' (vLLM's NCCL weight-transfer engine, GPU servers), "
@@ -154,7 +159,7 @@ class AsyncFields:
             "admission control allows, (max_staleness // steps_per_batch + 1) generation batches."
         },
     )
-    rollout_weight_update: Literal["batch", "decode_step"] | None = field(
+    rollout_weight_update: WeightUpdatePoint | None = field(
         default=None,
         metadata={
             "help": "When generation adopts new weights: 'batch' between generate calls (vLLM: a push waits for "
@@ -260,7 +265,7 @@ class AsyncFields:
             "with each token's behaviour log-prob mu, for auditing a run (every importance weight can be recomputed)."
         },
     )
-    off_policy_correction: Literal["decoupled", "tis", "mask", "seq_tis", "seq_mask", "none"] | None = field(
+    off_policy_correction: OffPolicyCorrection | None = field(
         default=None,
         metadata={
             "help": "Staleness weight w = f(pi_prox/mu) multiplied into GRPOTrainer's per-token loss, whose "

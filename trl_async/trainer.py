@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -40,15 +39,12 @@ from .rollout.scored import ScoredGroup
 from .rollout.scoring import unsharded_reward_models
 from .sampling import proximal_logps
 from .setup_checks import (
-    adapter_only_sync,
-    agreed_adapter_sync,
-    base_needed_again,
     check_after_loading,
     pool_geometry,
     refuse_before_loading,
 )
 from .trajectories import append_jsonl, trajectory_records
-from .weights.policy import iter_policy_buckets
+from .weights.publisher import WeightPublisher
 
 logger = logging.get_logger(__name__)
 
@@ -134,8 +130,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
         check_after_loading(self)
         self._sampling = rollout_sampling(self)  # what the engines apply to the logits: the ratio applies it too
         self._sampling_differs = self._sampling.differs_from(self.temperature)
-        self._adapter_sync = adapter_only_sync(self)  # LoRA: workers get the base once, then only the adapters
-        self._base_pending = False
+        self._publisher = WeightPublisher(  # LoRA: workers get the base once, then only the adapters
+            lambda: self.accelerator.unwrap_model(self.model), self._dist, self.async_args,
+            self.accelerator.num_processes, self.accelerator.is_main_process,
+        )  # fmt: skip
         # under ZeRO-3 a collective: every rank gathers each sharded reward model, the main process keeps a copy
         self._scoring_reward_funcs = unsharded_reward_models(
             self.reward_funcs, self._dist, self.accelerator.is_main_process, self.accelerator.device
@@ -170,6 +168,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         """Stop and join every rollout worker (``train`` does this itself). The closed pool stays readable as
         ``last_rollout_pool`` (its counters: drops, verified weight adoptions, worker pids)."""
         self._pool_started = False
+        self._publisher.detach()
         try:
             if self._pool is not None:
                 pool, self._pool = self._pool, None
@@ -216,8 +215,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             if self._core_split is not None:  # after the workers' forkserver started (it keeps the mask it had)
                 self._pinned = PinnedTrainer(self._core_split.trainer)
         self._pool_started = True
-        self._adapter_sync = agreed_adapter_sync(self)  # a vLLM server may not serve adapters (it says why)
-        self._base_pending = self._adapter_sync  # new workers: the frozen base goes with this first version
+        self._publisher.attach(self._pool)  # a vLLM server may not serve adapters (it says why)
         self._publish_weights(self.state.global_step)
 
     def _save_checkpoint(self, model, trial):
@@ -245,50 +243,22 @@ class AsyncGRPOTrainer(GRPOTrainer):
             ) from exc
 
     # ---- weights -------------------------------------------------------------------------------------------------
+    @property
+    def _adapter_sync(self) -> bool:
+        """Whether weight syncs send the LoRA adapters alone (``WeightPublisher.adapter_sync``)."""
+        return self._publisher.adapter_sync
+
     def _publish_weights(self, version: int) -> None:
-        """All ranks, main thread, same order: stream the full policy bucket by bucket; the main process copies
-        each bucket into the workers' shared memory before the next bucket is gathered. With adapter-only LoRA sync
-        the frozen rest of the model goes once, with the pool's first version, and then only the adapters."""
-        model = self.accelerator.unwrap_model(self.model)
-
-        def stream(part: str, out):
-            return iter_policy_buckets(
-                model,
-                self._dist.gather_params,
-                int(self.async_args.weight_sync_bucket_mb * 2**20),
-                flat_zero3=self._dist.is_zero3,
-                out=out,  # ZeRO-3 shards land there directly
-                persistent_only=self.async_args.rollout_backend == "vllm",  # a vLLM model loads checkpoint tensors
-                part=part,
-            )
-
-        base_s = 0.0
-        self._base_pending = self._base_pending or base_needed_again(self)  # a vLLM server came back (reattach.py)
-        if self._base_pending:
-            self._base_pending = False
-            start = time.perf_counter()
-            base = stream("frozen", self._pool.backend.base_target if self._pool is not None else None)
-            if self._pool is not None:
-                self._pool.backend.publish_base(base, version)
-            else:
-                for _ in base:  # take part in the gathers
-                    pass
-            base_s = time.perf_counter() - start
-        buckets = stream("adapters" if self._adapter_sync else "full",
-                         self._pool.publish_target if self._pool is not None else None)  # fmt: skip
-        if self._pool is not None:
-            seconds = self._pool.publish(buckets, version)
-            self._metrics["train"]["async/weight_sync_s"].append(seconds + base_s)
-        else:
-            for _ in buckets:  # take part in the gathers
-                pass
+        """Publish the trainer's weights as ``version`` (all ranks, main thread, same order: ``WeightPublisher``)."""
+        seconds = self._publisher.publish(version)
+        if seconds is not None:
+            self._metrics["train"]["async/weight_sync_s"].append(seconds)
 
     def _maybe_publish_weights(self) -> None:
         step = self.state.global_step
         if self._pool_started and step % self.async_args.weight_sync_steps == 0:
             self._publish_weights(step)
 
-    # ---- background helpers (run on the pool's threads; no collectives, own tokenizer copies) ----------------------
     # ---- the generation seam ---------------------------------------------------------------------------------------
     def _generate_and_score_completions(self, inputs):
         if not self.model.training:  # evaluation: GRPOTrainer's own generation with the trainer's model

@@ -50,6 +50,7 @@ class Backend(Protocol):
     resync_wanted: bool  # a restarted lane needs a publish before it can generate
     restart_note: str  # what the restart log line says happens next
     adapter_blocker: str | None  # adapter-only LoRA sync: why this backend cannot take the adapters (None: it can)
+    needs_base: bool  # adapter-only LoRA sync: a lane that came back must get the frozen base again
 
     def start_lane(self, index: int, restarts: int = 0) -> Lane: ...
 

@@ -133,6 +133,15 @@ class RolloutPool:
         """Where the next ``publish`` writes in place (``SharedMemoryWeights.spare_tensors``), or ``None``."""
         return self.backend.publish_target
 
+    @property
+    def base_target(self) -> dict[str, torch.Tensor]:
+        """Where ``publish_base`` writes in place (adapter-only LoRA sync), or ``None``."""
+        return self.backend.base_target
+
+    def publish_base(self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]], version: int) -> None:
+        """Adapter-only LoRA sync: the frozen rest of the model, once (and again for a server that came back)."""
+        self.backend.publish_base(buckets, version)
+
     def publish(self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]], version: int) -> float:
         """Make the streamed tensors the weights of ``version`` (see ``SharedMemoryWeights.publish``); workers adopt
         them at their next safe point. Returns the seconds it took."""

@@ -206,6 +206,7 @@ class ProcessBackend:
     resync_wanted = False  # a restarted worker reads the shared weights itself: no publish is needed to re-attach it
     restart_note = "restarted it"
     adapter_blocker = None  # workers merge any adapter the trainer can send alone
+    needs_base = False  # a restarted worker maps the shared base itself
 
     def __init__(
         self, specs: list[WorkerSpec], weight_specs: dict, groups_per_call: int, base_specs: dict | None = None
