@@ -15,7 +15,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from .isolation import LAUNCHER, hidden_dirs, interpreter, is_root, resolve, unshare_args, visible_dirs
 from .limits import Limits, SandboxResult, limits_hit
@@ -70,7 +69,7 @@ def _check_files(files: Mapping[str, str]) -> None:
 
 
 class Sandbox:
-    """Runs programs in fresh sandboxes: ``run`` for a command, ``run_python`` for source; ``map_python`` runs many.
+    """Runs programs in fresh sandboxes: ``run`` for a command, ``run_python`` for source.
 
     ``isolation``: ``"auto"`` (namespaces where the kernel allows them, else rlimits with a warning),
     ``"namespaces"`` (refuse to run without them) or ``"rlimits"``. ``concurrency``: runs at once (default: the
@@ -99,13 +98,6 @@ class Sandbox:
             stdin=stdin,
             limits=limits,
         )
-
-    def map_python(self, sources: Sequence[str], *, limits: Limits | None = None) -> list[SandboxResult]:
-        """``run_python`` for each source, ``concurrency`` at once; results in order."""
-        if not sources:
-            return []
-        with ThreadPoolExecutor(min(self.concurrency, len(sources)), thread_name_prefix="sandbox") as pool:
-            return list(pool.map(lambda s: self.run_python(s, limits=limits), sources))
 
     def run(
         self,
