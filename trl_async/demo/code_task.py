@@ -27,16 +27,6 @@ EXAMPLE = (
 TESTS_PER_PROBLEM = 4
 WORDS = ("cat", "sun", "tree", "blue", "river", "apple", "stone", "light", "owl", "moon", "green", "cloud")
 
-# GRPO settings for this task on SmolLM2-135M-Instruct (recipes/code_async.py)
-TRAINING_SETTINGS = dict(
-    learning_rate=2e-5,
-    per_device_train_batch_size=16,
-    num_generations=8,
-    max_completion_length=64,
-    temperature=0.7,
-    beta=0.0,
-)
-
 
 def _numbers(rng: random.Random) -> tuple:
     return ([rng.randint(-9, 20) for _ in range(rng.randint(1, 6))],)
