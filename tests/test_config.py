@@ -174,3 +174,35 @@ def test_vllm_n_in_generation_kwargs_is_refused_as_it_would_replace_num_generati
     with pytest.raises(ValueError, match="generation_kwargs.*'n'.*num_generations"):
         AsyncGRPOConfig(output_dir="x", rollout_backend="vllm", generation_kwargs={"n": 3}, bf16=False, use_cpu=True)
     AsyncGRPOConfig(output_dir="x", rollout_backend="vllm", generation_kwargs={"seed": 3}, bf16=False, use_cpu=True)
+
+
+def test_every_async_field_has_a_rule():
+    from dataclasses import fields
+
+    from trl_async.config.checks import FIELD_RULES
+
+    ruled = [name for name, _, _ in FIELD_RULES]
+    assert len(ruled) == len(set(ruled))
+    unruled = {f.name for f in fields(AsyncFields) if f.init} - set(ruled)
+    assert unruled == {"rollout_cpu_affinity"}  # checked against this process's cores, by its own rule
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("off_policy_bypass", "yes"), ("rollout_verify_weights", 1), ("rollout_vllm_server_args", "--enforce-eager"),
+     ("rollout_trajectory_file", 3), ("rollout_vllm_python", ["python"]), ("num_rollout_workers", True),
+     ("rollout_max_restarts", 1.5), ("rollout_timeout_s", "60")],
+)  # fmt: skip
+def test_a_value_of_the_wrong_type_is_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=rf"AsyncGRPOConfig\.{field}="):
+        AsyncGRPOConfig(**BASE, **{field: value})
+
+
+def test_trl_parser_prints_help_and_offers_the_allowed_values():
+    # argparse formats help strings with %: a bare % in one would crash `--help` of every TrlParser script
+    from trl import TrlParser
+
+    text = TrlParser((AsyncGRPOConfig,)).format_help()
+    assert "--rollout_lora_sync {adapters,merged}" in text
+    assert "--rollout_dtype {float32,bfloat16,float16}" in text
+    assert "--off_policy_correction {decoupled,tis,mask,seq_tis,seq_mask,none}" in text

@@ -1,0 +1,87 @@
+"""Defaults that depend on other settings, resolved in one place.
+
+``resolve_defaults`` is the one step that writes into the settings: the engine that GRPOConfig's ``use_vllm`` and
+``vllm_mode`` ask for, and the correction mode ``loss_type`` calls for. The ``resolved_*`` properties compute the
+rest on read (they depend on the machine or on the trainer's precision, which the config does not know when it is
+built).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..cores import allowed_cores, parse_cpu_list, split_cores
+from ..engine_choice import rollout_engine
+from ..precision import NativePrecision
+
+DEFAULT_CAPS = {"decoupled": 5.0}  # AReaL's behav_imp_weight_cap in its examples; 2.0 (verl/SkyRL TIS) otherwise
+
+
+def available_cores() -> int:
+    """How many cores this process may run on (its CPU affinity where the OS reports one)."""
+    cores = allowed_cores()
+    return len(cores) if cores else os.cpu_count() or 1
+
+
+def resolve_defaults(settings, loss_type: str | None = None, use_vllm: bool = False, vllm_mode: str = "colocate",
+                     vllm_enable_sleep_mode: bool = False) -> None:  # fmt: skip
+    """Fill the defaults of ``settings`` (an ``AsyncFields``) that GRPO's own fields decide: ``rollout_backend`` and
+    ``vllm_colocate`` from ``use_vllm``/``vllm_mode`` (``ValueError`` when they disagree), and
+    ``off_policy_correction`` from ``loss_type`` ('tis' under VESPO, else 'decoupled')."""
+    choice = rollout_engine(settings.rollout_backend, use_vllm, vllm_mode, settings.rollout_vllm_urls,
+                            vllm_enable_sleep_mode)  # fmt: skip
+    settings.rollout_backend, settings.vllm_colocate = choice.backend, choice.colocate
+    if settings.off_policy_correction is None:
+        settings.off_policy_correction = "tis" if loss_type == "vespo" else "decoupled"
+
+
+class ResolvedDefaults:
+    """The defaults computed on read, mixed into ``AsyncFields``."""
+
+    @property
+    def resolved_rollout_threads(self) -> int:
+        if self.rollout_torch_threads is not None:
+            return self.rollout_torch_threads
+        return max(1, available_cores() // self.num_rollout_workers)
+
+    def resolved_rollout_dtype(
+        self, weights: torch.dtype, bf16: bool, fp16: bool, native: NativePrecision
+    ) -> torch.dtype:
+        """``rollout_dtype`` if set; else the dtype the trainer computes in (bf16/fp16 under mixed precision, where
+        the trainer's matmuls see its float32 weights rounded to that dtype) where the workers' device computes it
+        natively (``native``, trl_async.precision), else the weights' dtype; the weights' dtype always when weights
+        are verified bit for bit."""
+        if self.rollout_dtype:
+            return getattr(torch, self.rollout_dtype)
+        if self.rollout_verify_weights or weights != torch.float32:
+            return weights
+        mixed = torch.bfloat16 if bf16 else torch.float16 if fp16 else weights
+        return mixed if native.native(mixed) else weights
+
+    @property
+    def resolved_rollout_nice(self) -> int:
+        if self.rollout_nice is not None:
+            return self.rollout_nice
+        if self.rollout_cpu_affinity is not None:
+            return 0  # cores of their own: nothing to yield to
+        return 19 if torch.device(self.rollout_device or "cpu").type == "cpu" else 0
+
+    @property
+    def resolved_weight_update(self) -> str:
+        if self.rollout_weight_update is not None:
+            return self.rollout_weight_update
+        return "decode_step" if self.rollout_backend == "vllm" else "batch"
+
+    @property
+    def resolved_importance_sampling_cap(self) -> float:
+        if self.importance_sampling_cap is not None:
+            return self.importance_sampling_cap
+        return DEFAULT_CAPS.get(self.off_policy_correction, 2.0)
+
+    def core_split(self):
+        """``CoreSplit`` of ``rollout_cpu_affinity`` against this process's cores now, or ``None`` when unset."""
+        if self.rollout_cpu_affinity is None:
+            return None
+        return split_cores(parse_cpu_list(self.rollout_cpu_affinity), allowed_cores(), self.num_rollout_workers)
