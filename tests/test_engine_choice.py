@@ -12,9 +12,9 @@ import time
 import pytest
 
 from trl_async.engine_choice import DeviceChoice, EngineChoice, physical_gpu, rollout_device_for, rollout_engine
-from trl_async.engines.vllm.backend import served_transport
 from trl_async.engines.vllm.client import VLLMServerError
 from trl_async.engines.vllm.colocate import ColocatedServer, colocated_flags, server_gpu_groups
+from trl_async.engines.vllm.server_checks import served_transport
 
 
 @pytest.mark.unit

@@ -95,7 +95,7 @@ def test_served_adapters_keep_the_newest_versions_and_any_a_request_still_uses(t
 
 @pytest.mark.unit
 def test_a_server_that_cannot_serve_the_adapters_is_named_with_the_flag_to_add():
-    from trl_async.engines.vllm.backend import lora_blocker
+    from trl_async.engines.vllm.server_checks import lora_blocker
 
     info = lambda lora: {"vllm_config": {"lora_config": lora}}  # noqa: E731 - /server_info's shape
     url, leaves = "http://s:1", {"q_proj", "v_proj", "down_proj"}
@@ -241,27 +241,28 @@ class _StubServer:
 
 def _pool_over(stubs, queue_size, timeout_s=30.0):
     """A rollout pool whose lanes are real ``VLLMLane``s (as the trainer builds them: each may hold the whole queue)
-    talking to ``stubs``; only the start-up checks and the weight push are left out."""
+    talking to ``stubs``; only the start-up checks (the survey is given) and the weight push are left out."""
     from types import SimpleNamespace
 
     from trl_async.engines.vllm.backend import VLLMBackend, VLLMLaneSpec
+    from trl_async.engines.vllm.server_checks import ServerSurvey
     from trl_async.rollout.pool import PoolSettings, RolloutPool
     from trl_async.rollout.prompts import PromptStream
     from trl_async.rollout.scored import ScoredGroup
 
-    backend = VLLMBackend.__new__(VLLMBackend)
-    backend.specs = [
+    specs = [
         VLLMLaneSpec(
             i, s.url, {"n": 2, "max_tokens": 1}, (1,), seed=0, max_requests=queue_size, request_timeout_s=60, retry_s=1
         )
         for i, s in enumerate(stubs)
     ]
-    backend.max_outstanding, backend.pause_mode, backend.lanes = queue_size, "keep", []
-    backend.served = backend.plan = None  # full-weight pushes
-    backend.current, backend.servers = [None] * len(stubs), [VLLMServer(s.url) for s in stubs]
-    backend.identities, backend.down_limit_s, backend.reattached = [{}] * len(stubs), None, []
-    backend._members, backend._based = list(range(len(stubs))), []
-    backend.pusher = SimpleNamespace(push=lambda buckets, version, mode: 0.0)
+    survey = ServerSurvey([VLLMServer(s.url) for s in stubs], "gloo", [{}] * len(stubs))  # full-weight pushes
+    backend = VLLMBackend(specs, survey, queue_size, weight_specs={}, bucket_bytes=1, pause_mode="keep",
+                          startup_timeout_s=1)  # fmt: skip
+    backend.pusher, backend._members = (
+        SimpleNamespace(push=lambda buckets, version, mode: 0.0),
+        list(range(len(stubs))),
+    )
     settings = PoolSettings(
         groups_per_batch=2,
         steps_per_batch=1,

@@ -249,7 +249,7 @@ def _vllm_backend(trainer, model, urls: list[str], owned: list):
         )
         for i, url in enumerate(urls)
     ]
-    return VLLMBackend(
+    return VLLMBackend.connect(
         specs,
         max_outstanding=trainer._geometry.queue_size,
         weight_specs=policy_specs(model, persistent_only=True),

@@ -166,7 +166,9 @@ class _Group:
         eps = self.episodes
         rows = {}
         if self.instances:
-            rows = dict(row_prompts=tuple(e.prompt for e in eps), row_prompt_ids=tuple(tuple(e.prompt_ids) for e in eps))
+            rows = dict(
+                row_prompts=tuple(e.prompt for e in eps), row_prompt_ids=tuple(tuple(e.prompt_ids) for e in eps)
+            )
         return replace(
             self.first,
             rows=(),
@@ -402,7 +404,9 @@ class EpisodeRunner:
             return
         strays = [t for e in group.episodes for t in e.strays if t.is_alive()] if group.instances else []
         if strays:  # a timed-out call still runs on an instance its rewards would read: scored once it returns
-            threading.Thread(target=self._settle, args=(group_id, strays), name="trl_async-settle", daemon=True).start()
+            threading.Thread(
+                target=self._settle, args=(group_id, strays), name="trl_async-settle", daemon=True
+            ).start()
             return
         self._finish(group_id, group)
 
@@ -427,6 +431,8 @@ class EpisodeRunner:
         del self._groups[group_id]
         self._release(group)  # (the instances the stray calls hold are dropped)
         first = group.first
-        self.abandon(RolloutTask(group_id, first.prompt_index, first.prompt_ids, group.admitted_at_version),
-                     f"a tool call that timed out (rollout_tool_timeout_s={self.tool_runner.timeout_s:g}) was still "
-                     "running on its environment another timeout later, so no reward could read a settled state")
+        self.abandon(
+            RolloutTask(group_id, first.prompt_index, first.prompt_ids, group.admitted_at_version),
+            f"a tool call that timed out (rollout_tool_timeout_s={self.tool_runner.timeout_s:g}) was still "
+            "running on its environment another timeout later, so no reward could read a settled state",
+        )

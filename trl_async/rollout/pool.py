@@ -27,11 +27,12 @@ from transformers.utils import logging
 
 from ..records import RolloutGroup, RolloutTask
 from ..weights.shared_memory import Digest
+from .admission import AdmissionLedger
 from .consumption import next_ready
 from .lanes import Lanes, RolloutWorkerError  # noqa: F401 - RolloutWorkerError: raised to the trainer
 from .prompts import PromptStream
-from .scored import ScoredGroup, TakeStats
-from .staleness import max_groups_admitted, staleness
+from .scored import ScoredGroup, TakeStats, TakeTally
+from .staleness import staleness
 
 if TYPE_CHECKING:
     from .interfaces import Backend, GroupRunner
@@ -82,16 +83,14 @@ class RolloutPool:
         self._score_group = score_group
         self._keep = keep
         self.filtered_groups = 0
-        self._filtered_since_take = 0
-        self._kept_since_take = 0  # dynamic_sampling: groups scored and kept since the previous take
+        self._tally = TakeTally()  # for the next take's TakeStats
         self.backend = backend
         self._cv = threading.Condition()
         self._stop = False
         self._error: BaseException | None = None
         self._error_raised = False  # close() reports an error that no take() raised (it came after the last one)
-        self._published: int | None = None  # nothing is admitted before the first publish
-        self._admitted = 0  # groups dispatched and not dropped
-        self._consumed = 0
+        self._ledger = AdmissionLedger(settings.groups_per_batch, settings.steps_per_batch, settings.max_staleness,
+                                       settings.queue_size, settings.start_version)  # fmt: skip
         self._next_group_id = 0
         self._positions: dict[int, int] = {}  # group id -> its prompt's stream position (prompts.PromptStream)
         self._rows: dict[int, dict] = {}  # group id -> its dataset row, read once at admission (ScoredGroup.row)
@@ -99,8 +98,6 @@ class RolloutPool:
         self.dropped_samples = 0
         self.dropped_groups = 0
         self.dropped_unscored = 0  # of those, dropped on arrival, before scoring
-        self._tokens_since_take = 0
-        self._last_take_end = time.perf_counter()
         # (kind, worker id or -1 for the trainer, start, end) in time.time(): "generate" calls, "score" (one group's
         # rewards, on a scoring thread) and the trainer's "wait"s in take(); bounded, for timelines and
         # utilisation (benchmarks/throughput.py)
@@ -151,7 +148,7 @@ class RolloutPool:
         ready = None if digest is None else (lambda: self.lanes.expect_digest(version, digest.hexdigest()))
         self.backend.publish(buckets, version, digest, ready)
         with self._cv:
-            self._published = version
+            self._ledger.published = version
             self._cv.notify_all()
         return time.perf_counter() - start
 
@@ -185,36 +182,28 @@ class RolloutPool:
                 if time.perf_counter() > deadline:
                     raise TimeoutError(
                         f"waited {self.settings.timeout_s:.0f}s (rollout_timeout_s) for {n - len(taken)} more rollout "
-                        f"groups at trainer version {consumer_version}; published version {self._published}, "
-                        f"admitted {self._admitted}, consumed {self._consumed}, filtered {self.filtered_groups} "
+                        f"groups at trainer version {consumer_version}; published version {self._ledger.published}, "
+                        f"admitted {self._ledger.admitted}, consumed {self._ledger.consumed}, filtered {self.filtered_groups} "
                         f"(dynamic_sampling), worker versions "
                         f"{self.worker_versions}, workers alive {[w.is_alive() for w in self.lanes.workers]}, taking "
                         f"work {[w.max_outstanding > 0 for w in self.lanes.workers]}, ready {len(self._ready)} "
                         f"(rollout_consumption_window={self.settings.consumption_window}); {self._scoring_state()}"
                     )
                 self._cv.wait(timeout=0.2)
-            self._consumed += n
+            self._ledger.consume(n)
             self._prompts.taken([self._forget(g.group.group_id) for g in taken], consumer_version)
             self._cv.notify_all()
             now = time.perf_counter()
-            tokens, self._tokens_since_take = self._tokens_since_take, 0
-            filtered, self._filtered_since_take = self._filtered_since_take, 0
-            kept, self._kept_since_take = self._kept_since_take, 0
-            filtered_total = self.filtered_groups if self._keep is not None else None
-            rate = tokens / max(now - self._last_take_end, 1e-9)
-            self._last_take_end = now
+            stats = self._tally.close(
+                taken,
+                now,
+                queue_size=queue_size,
+                wait_s=now - start,
+                dropped_samples_total=self.dropped_samples,
+                filtered_groups_total=self.filtered_groups if self._keep is not None else None,
+                lanes_healthy=sum(w.is_alive() and w.max_outstanding > 0 for w in self.lanes.workers),
+            )
         self.activity.append(("wait", -1, started_at, started_at + (now - start)))
-        stats = TakeStats(
-            staleness=[g.staleness for g in taken for _ in g.group.completion_ids],
-            queue_size=queue_size,
-            wait_s=now - start,
-            dropped_samples_total=self.dropped_samples,
-            gen_tokens_per_s=rate,
-            filtered_groups_total=filtered_total,
-            filtered_since=filtered,
-            kept_since=kept,
-            lanes_healthy=sum(w.is_alive() and w.max_outstanding > 0 for w in self.lanes.workers),
-        )
         return taken, stats
 
     def prompt_progress(self, done_up_to_version: int) -> dict:
@@ -243,7 +232,7 @@ class RolloutPool:
 
     def _drop_stale(self, group: RolloutGroup) -> None:
         """Never train on ``group``; generate its prompt again (caller holds the lock)."""
-        self._admitted -= 1
+        self._ledger.give_back()
         self.dropped_groups += 1
         self.dropped_samples += len(group.completion_ids)
         self._prompts.push_front(self._forget(group.group_id), group.prompt_index)
@@ -287,7 +276,9 @@ class RolloutPool:
     worker_restarts = property(lambda self: self.lanes.worker_restarts)
     lost_workers = property(lambda self: self.lanes.lost_workers)
     verified_adoptions = property(lambda self: self.lanes.verified_adoptions)
-    published_version = property(lambda self: self._published)  # the newest version workers can see (None: none)
+    published_version = property(
+        lambda self: self._ledger.published
+    )  # the newest version workers can see (None: none)
     placement = property(lambda self: self.lanes.placement)  # worker id -> (cores, torch threads), as reported
 
     @property
@@ -299,14 +290,14 @@ class RolloutPool:
     def admitted(self) -> int:
         """Groups dispatched to workers so far, not counting dropped ones."""
         with self._cv:
-            return self._admitted
+            return self._ledger.admitted
 
     @property
     def in_flight(self) -> int:
         """Groups admitted and not yet consumed: queued, being generated or scored, or ready (bounded by
         ``queue_size``)."""
         with self._cv:
-            return self._admitted - self._consumed
+            return self._ledger.in_flight
 
     @property
     def ready_count(self) -> int:
@@ -325,14 +316,6 @@ class RolloutPool:
                     self._cv.notify_all()
 
         return run
-
-    def _admission_limit(self) -> int:
-        s = self.settings
-        if self._published is None:
-            return 0
-        by_staleness = max_groups_admitted(self._published, s.max_staleness, s.groups_per_batch, s.steps_per_batch,
-                                           s.start_version)  # fmt: skip
-        return min(by_staleness, self._consumed + s.queue_size)
 
     def _dispatch_loop(self) -> None:
         """Admit groups as admission control allows and hand them to the workers in chunks of up to
@@ -358,10 +341,7 @@ class RolloutPool:
                     lambda: (
                         self._stop
                         or self._error
-                        or (
-                            (self._later_turns or self._admitted < self._admission_limit())
-                            and free_worker() is not None
-                        )
+                        or ((self._later_turns or self._ledger.room() > 0) and free_worker() is not None)
                     )
                 )
                 if self._stop or self._error:
@@ -374,9 +354,9 @@ class RolloutPool:
                         rows += len(self._later_turns[0].contexts)
                         chunk.append(self._later_turns.popleft())
                 else:
-                    n = min(per_call, self._admission_limit() - self._admitted)
-                    self._admitted += n
-                    version = self._published
+                    n = min(per_call, self._ledger.room())
+                    self._ledger.admit(n)
+                    version = self._ledger.published
                     chunk = []
                     starts = self._episodes is not None and self._episodes.starts_groups
                     for _ in range(n):
@@ -416,7 +396,7 @@ class RolloutPool:
         returned): skipped, counted, its prompt not retried."""
         logger.warning("train_dataset row %d: skipped, %s", task.prompt_index, why)
         with self._cv:
-            self._admitted -= 1
+            self._ledger.give_back()
             self.abandoned_groups += 1
             self._abandoned_in_a_row += 1
             # done as far as resuming is concerned, whatever the checkpoint's step
@@ -452,7 +432,7 @@ class RolloutPool:
         tools' results), first in line."""
         for task in reversed(first_turns):
             self._prompts.push_front(self._forget(task.group_id), task.prompt_index)
-        self._admitted -= len(first_turns)
+        self._ledger.give_back(len(first_turns))
         self._later_turns.extendleft(reversed(later_turns))
 
     def _score_loop(self) -> None:
@@ -464,13 +444,8 @@ class RolloutPool:
             except queue.Empty:
                 continue
             with self._cv:
-                # the trainer consumes at a version >= the last one published: a group already too stale for it is
-                # dropped now, before its (possibly expensive) reward calls (a direct difference, not staleness(): a
-                # worker may sample with version v a moment before publish() records v, and staleness() refuses a
-                # token newer than its consumer)
-                if self._published is not None and self._published - min(group.token_versions) > (
-                    self.settings.max_staleness
-                ):
+                # dropped now, before its (possibly expensive) reward calls
+                if self._ledger.too_stale_already(group.token_versions):
                     self.dropped_unscored += 1
                     self._drop_stale(group)
                     continue
@@ -489,15 +464,15 @@ class RolloutPool:
             self.activity.append(("score", group.worker_id, started, time.time()))
             with self._cv:
                 self._abandoned_in_a_row = 0
-                self._tokens_since_take += group.num_sampled_tokens
+                self._tally.tokens += group.num_sampled_tokens
                 if self._keep is not None:
                     if not self._keep(scored.rewards):
-                        if self._published - min(group.token_versions) > self.settings.max_staleness:
+                        if self._ledger.too_stale_already(group.token_versions):
                             self._drop_stale(group)  # went stale while scored: generated again, as any stale group
                         else:
                             self._filter(group)
                         continue
-                    self._kept_since_take += 1
+                    self._tally.kept += 1
                 self._ready.append(scored)
                 self._cv.notify_all()
 
@@ -512,9 +487,9 @@ class RolloutPool:
         """Dynamic sampling: ``group`` has no signal. Its admission slot goes to a new prompt; its own prompt is done
         for the stream and for resuming, whatever a checkpoint's step (a checkpoint reads the stream when it is saved,
         so it counts only what was filtered before). Caller holds the lock."""
-        self._admitted -= 1
+        self._ledger.give_back()
         self.filtered_groups += 1
-        self._filtered_since_take += 1
+        self._tally.filtered += 1
         self._prompts.taken([self._forget(group.group_id)], -(2**62))
         self._cv.notify_all()
 

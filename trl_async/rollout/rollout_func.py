@@ -195,7 +195,9 @@ class RolloutFuncRunner:
     def start(self, task: RolloutTask) -> None:
         if self._closed.is_set():
             return
-        thread = threading.Thread(target=self._run, args=(task,), name=f"trl_async-rollout-{task.group_id}", daemon=True)
+        thread = threading.Thread(
+            target=self._run, args=(task,), name=f"trl_async-rollout-{task.group_id}", daemon=True
+        )
         with self._lock:
             self._threads.add(thread)
         thread.start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -34,3 +35,28 @@ class TakeStats:
     filtered_since: int = 0  # of those, since the previous take
     kept_since: int = 0  # groups scored and kept since the previous take
     lanes_healthy: int | None = None  # lanes taking work (workers alive; vLLM servers attached)
+
+
+@dataclass
+class TakeTally:
+    """What happened between two takes (groups scored, their tokens, groups filtered), turned into the next take's
+    ``TakeStats``. The pool calls it under its lock."""
+
+    tokens: int = 0  # sampled tokens of the groups scored
+    filtered: int = 0  # dynamic_sampling: groups dropped for no signal
+    kept: int = 0  # dynamic_sampling: groups scored and kept
+    since: float = field(default_factory=time.perf_counter)  # when the previous take returned
+
+    def close(self, taken: list[ScoredGroup], now: float, **observed) -> TakeStats:
+        """The stats of a take that returned ``taken`` at ``now`` (``time.perf_counter``); the tally starts over.
+        ``observed``: the rest of ``TakeStats``, as the pool saw it."""
+        stats = TakeStats(
+            staleness=[g.staleness for g in taken for _ in g.group.completion_ids],
+            gen_tokens_per_s=self.tokens / max(now - self.since, 1e-9),
+            filtered_since=self.filtered,
+            kept_since=self.kept,
+            **observed,
+        )
+        self.tokens = self.filtered = self.kept = 0
+        self.since = now
+        return stats

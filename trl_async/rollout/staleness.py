@@ -32,11 +32,6 @@ def staleness(consumer_version: int, token_versions: Iterable[int]) -> int:
     return s
 
 
-def is_fresh(consumer_version: int, token_versions: Iterable[int], max_staleness: int) -> bool:
-    """Whether a sample may be trained on at ``consumer_version``: staleness <= ``max_staleness``."""
-    return staleness(consumer_version, token_versions) <= max_staleness
-
-
 def max_groups_admitted(
     published_version: int, max_staleness: int, groups_per_batch: int, steps_per_batch: int, start_version: int = 0
 ) -> int:

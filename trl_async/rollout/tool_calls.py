@@ -152,8 +152,9 @@ def run_tool_calls(
         arguments = call.get("function", {}).get("arguments") if isinstance(call.get("function"), dict) else None
         records.append({"name": names[i], "arguments": arguments, "result": str(content)[:RECORD_CHARS],
                         "failed": failed[i]})  # fmt: skip
-    return ToolResults(messages, calls=len(calls), failures=sum(failed), timeouts=timeouts, records=records,
-                       strays=strays)
+    return ToolResults(
+        messages, calls=len(calls), failures=sum(failed), timeouts=timeouts, records=records, strays=strays
+    )
 
 
 def calls_not_run(calls: Sequence[dict], why: str) -> ToolResults:

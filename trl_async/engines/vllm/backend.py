@@ -24,14 +24,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 from transformers.utils import logging
 
-from ...weights.lora import LoraMerge, served_adapter, served_rank
-from .adapters import ServedAdapters
-from .client import VLLMServer, VLLMServerError
+from ...weights.lora import LoraMerge, served_adapter
+from .client import VLLMServer
 from .push import Buckets, VLLMWeightPusher
-from .reattach import Return, identity
+from .reattach import Return
+from .server_checks import ServerSurvey, survey_servers
 from .server_lane import VLLMLane, VLLMLaneSpec, cut_after_eos  # noqa: F401 - the backend's pieces, importable from here
 
 logger = logging.get_logger(__name__)
@@ -62,52 +61,53 @@ class VLLMBackend:
     def __init__(
         self,
         specs: Sequence[VLLMLaneSpec],
+        survey: ServerSurvey,
         max_outstanding: int,
         weight_specs: dict,
-        transport: str,
         bucket_bytes: int,
         pause_mode: str,
         startup_timeout_s: float,
         adapters: AdapterPlan | None = None,
         down_limit_s: float | None = None,
-        trainer_device: str = "cpu",
         owned: Sequence = (),
     ) -> None:
+        """No I/O: ``survey`` holds what the servers said (``connect`` asks them first), and the weight transport
+        opens at ``open_transport``."""
         self.owned = list(owned)
         self.specs = list(specs)
         self.max_outstanding = max_outstanding
         self.pause_mode = pause_mode
-        self.servers = servers = [VLLMServer(s.url, s.request_timeout_s, s.retry_s) for s in self.specs]
+        self.servers = survey.servers
         # the weight sync and the probe never retry: a server restarted meanwhile is a new process, which must not
         # get half a sync meant for the old one (the failure lets it go; it is re-attached from the start)
         self._sync_clients = [VLLMServer(s.url, s.request_timeout_s, 0.0) for s in self.specs]
-        infos = [check_server(server, startup_timeout_s) for server in servers]
-        transport = served_transport(transport, infos, [s.url for s in servers], trainer_device)
-        self.identities = [identity(info) for info in infos]  # what a server must be to be taken back
+        self.identities = survey.identities  # what a server must be to be taken back
         self.down_limit_s = down_limit_s
         self.reattached: list[dict] = []  # each re-attach: url, seconds down, seconds from back to taking work
-        self.adapter_blocker = None
-        self.served = None
-        if adapters is not None:
-            rank = served_rank(adapters.merges, adapters.adapter_specs)
-            leaves = {m.weight.split(".")[-2] for m in adapters.merges}
-            reasons = [lora_blocker(info, s.url, rank, leaves) for info, s in zip(infos, servers, strict=True)]
-            self.adapter_blocker = next(filter(None, reasons), None)
-            if self.adapter_blocker is None:  # a zero adapter of the real shapes, loaded and unloaded on each server
-                self.served = ServedAdapters(servers, adapters.keep, adapters.directory)
-                zeros = {n: torch.zeros(shape, dtype=dtype) for n, (shape, dtype) in adapters.adapter_specs.items()}
-                self.adapter_blocker = self.served.probe(*served_adapter(adapters.merges, zeros))
-                if self.adapter_blocker is not None:
-                    self.served.close()
-                    self.served = None
+        self.adapter_blocker = survey.adapter_blocker
+        self.served = survey.served
         self.plan = adapters if self.served is not None else None
         self._pushed_specs = self.plan.base_specs if self.plan else weight_specs
-        self._transport = (transport, bucket_bytes, startup_timeout_s)
-        self.pusher = VLLMWeightPusher(self._sync_clients, *self._transport, self._pushed_specs)
-        self._members = list(range(len(servers)))  # the servers the pusher's collective group spans
+        self._transport = (survey.transport, bucket_bytes, startup_timeout_s)
+        self.pusher: VLLMWeightPusher | None = None  # open_transport
+        self._members: list[int] = []  # the servers the pusher's collective group spans
         self._based: list[int] = []  # servers back after a loss that got the frozen base at this publish
         self.lanes: list[VLLMLane] = []  # every lane started, replaced ones included
-        self.current: list[VLLMLane | None] = [None] * len(servers)  # by server
+        self.current: list[VLLMLane | None] = [None] * len(self.servers)  # by server
+
+    @classmethod
+    def connect(cls, specs: Sequence[VLLMLaneSpec], transport: str, trainer_device: str, startup_timeout_s: float,
+                adapters: AdapterPlan | None = None, **settings) -> VLLMBackend:  # fmt: skip
+        """Check the servers (server_checks.py), build the backend and open the weight transport with every server.
+        ``settings``: the rest of the constructor's arguments."""
+        survey = survey_servers(specs, startup_timeout_s, transport, trainer_device, adapters)
+        backend = cls(specs, survey, startup_timeout_s=startup_timeout_s, adapters=adapters, **settings)
+        backend.open_transport()
+        return backend
+
+    def open_transport(self) -> None:
+        """The weight transport's group over every server (each rendezvous is network I/O)."""
+        self._regroup(list(range(len(self.servers))))
 
     @property
     def adapter_sync(self) -> bool:
@@ -125,7 +125,9 @@ class VLLMBackend:
         return lane
 
     def _back(self) -> list[int]:
-        return [i for i, ln in enumerate(self.current) if ln is not None and ln.returning and ln.returning.state == "back"]
+        return [
+            i for i, ln in enumerate(self.current) if ln is not None and ln.returning and ln.returning.state == "back"
+        ]
 
     def _live(self, back: list[int]) -> list[int]:
         """The servers to sync now: ``back`` (being re-attached) and the attached ones; with merged pushes only those
@@ -277,97 +279,3 @@ class VLLMBackend:
 def _drain(buckets: Buckets) -> None:
     for _ in buckets:
         pass
-
-
-# vLLM's --max-lora-rank choices (vllm/config/lora.py) and the packed modules of the common decoder models (a
-# --lora-target-modules entry covers its packed parent's children, and a child covers its parent)
-LEGAL_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-PACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
-          "up_proj": "gate_up_proj"}  # fmt: skip
-
-
-def lora_blocker(info: dict, url: str, rank: int, leaves: set[str]) -> str | None:
-    """Why the server described by ``info`` (``/server_info``) cannot serve an adapter of ``rank`` on the modules
-    named ``leaves``, or None."""
-    lora = (info.get("vllm_config") or {}).get("lora_config")
-    flag = next((r for r in LEGAL_LORA_RANKS if r >= rank), rank)
-    if not lora:
-        return (f"vLLM server {url} was started without LoRA: add --enable-lora --max-lora-rank {flag} "
-                f"(and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, which `python -m trl_async.vllm_serve` sets)")  # fmt: skip
-    if lora.get("max_lora_rank", 0) < rank:
-        return (f"vLLM server {url} serves LoRA rank {lora.get('max_lora_rank')} at most (--max-lora-rank) and these "
-                f"adapters need {rank} (--max-lora-rank {flag})")  # fmt: skip
-    targets = set(lora.get("target_modules") or ())
-
-    def covered(leaf: str) -> bool:  # itself, its packed parent, or a sibling packed with it (the same vLLM layer)
-        parent = PACKED.get(leaf)
-        return leaf in targets or (parent is not None and (parent in targets or any(
-            PACKED.get(t) == parent for t in targets)))  # fmt: skip
-
-    missing = sorted(leaf for leaf in leaves if targets and not covered(leaf))
-    if missing:  # vLLM would load the adapter and silently not apply it to these modules
-        return f"vLLM server {url} applies LoRA only to {lora['target_modules']} (--lora-target-modules), not {missing}"
-    return None
-
-
-TRANSPORTS = {"nccl": "nccl", "trl_async_gloo": "gloo"}  # a server's weight-transfer engine -> our transport
-
-
-def served_transport(requested: str, infos: Sequence[dict], urls: Sequence[str], trainer_device: str) -> str:
-    """The weight transport to use with servers described by ``infos`` (their ``/server_info``): the engine they were
-    started with (``--weight-transfer-config``), which must be one the trainer can drive and the same on every
-    server; ``requested`` ('auto', 'nccl' or 'gloo') must agree with it."""
-    hint = "start it with `python -m trl_async.vllm_serve` (--transport nccl on GPUs, gloo on CPUs) or `trl vllm-serve`"
-    found = []
-    for info, url in zip(infos, urls, strict=True):
-        engine = ((info.get("vllm_config") or {}).get("weight_transfer_config") or {}).get("backend")
-        if engine not in TRANSPORTS:
-            raise VLLMServerError(
-                f"vLLM server {url} has {'no' if engine is None else f'the {engine!r}'} weight-transfer engine, "
-                "which the trainer cannot push weights to: add --weight-transfer-config '{\"backend\": \"nccl\"}' "
-                f"(GPU servers) or '{{\"backend\": \"trl_async_gloo\"}}' (CPU servers); {hint}"
-            )
-        found.append(TRANSPORTS[engine])
-    if len(set(found)) > 1:
-        raise VLLMServerError(f"the vLLM servers were started with different weight transports {dict(zip(urls, found, strict=True))}: "
-                              "one push group needs one; restart them with the same --weight-transfer-config")  # fmt: skip
-    transport = found[0]
-    if requested not in ("auto", transport):
-        engine = "trl_async_gloo" if requested == "gloo" else "nccl"
-        raise VLLMServerError(
-            f"vLLM server {', '.join(urls)} has no '{engine}' weight-transfer engine (it was started with {transport}): add "
-            f"--weight-transfer-config '{{\"backend\": \"{engine}\"}}', or set rollout_vllm_weight_transport='auto'; "
-            f"{hint}"
-        )
-    if transport == "nccl" and not trainer_device.startswith("cuda"):
-        raise VLLMServerError(
-            f"vLLM server {urls[0]} receives weights over NCCL, which needs the trainer on a GPU, but it runs on "
-            f"{trainer_device}: start CPU servers with `python -m trl_async.vllm_serve --transport gloo`, or train on a GPU"
-        )
-    return transport
-
-
-def check_server(server: VLLMServer, startup_timeout_s: float) -> dict:
-    """Fail early, naming the flag to add, when a server is not started the way this backend needs. Returns its
-    ``/server_info``."""
-    server.wait_until_healthy(startup_timeout_s)
-    hint = "start it with `python -m trl_async.vllm_serve` or `trl vllm-serve` (or see the README for the flags)"
-    try:
-        info = server.server_info()
-    except VLLMServerError as exc:
-        raise VLLMServerError(
-            f"vLLM server {server.url} has no development endpoints (/server_info): set VLLM_SERVER_DEV_MODE=1 when "
-            f"starting it; {hint}. ({exc})"
-        ) from None
-    config = info.get("vllm_config", {})
-    if config.get("model_config", {}).get("logprobs_mode") != "processed_logprobs":
-        raise VLLMServerError(
-            f"vLLM server {server.url} does not return the log-probs of the distribution it samples from: add "
-            f"--logprobs-mode processed_logprobs (the off-policy correction needs mu); {hint}"
-        )
-    if not server.has_endpoint("/inference/v1/generate"):
-        raise VLLMServerError(
-            f"vLLM server {server.url} has no token-in/token-out endpoint /inference/v1/generate (which returns each "
-            f"token's weight version): add --enable-scale-out; {hint}"
-        )
-    return info

@@ -310,7 +310,8 @@ def completions_from_response(response: dict, url: str, version: int | None = No
             Completion(
                 token_ids=ids,
                 logprobs=tuple(math.nan if e["logprob"] is None else float(e["logprob"]) for e in content),
-                versions=(version,) * len(ids) if version is not None
+                versions=(version,) * len(ids)
+                if version is not None
                 else token_versions(choice.get("weight_versions"), len(ids)),
                 finish_reason=choice.get("finish_reason"),
             )

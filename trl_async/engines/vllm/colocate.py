@@ -162,7 +162,11 @@ def trainer_gpu_groups(accelerator, tensor_parallel_size: int) -> list[list[str]
     if device.type != "cuda":
         return [None]
     mine = physical_gpu(os.environ.get("CUDA_VISIBLE_DEVICES"), device.index or 0)
-    everyone = gather_object([(socket.gethostname(), mine)]) if accelerator.num_processes > 1 else [(socket.gethostname(), mine)]
+    everyone = (
+        gather_object([(socket.gethostname(), mine)])
+        if accelerator.num_processes > 1
+        else [(socket.gethostname(), mine)]
+    )
     return server_gpu_groups([gpu for _, gpu in everyone], [host for host, _ in everyone], tensor_parallel_size)
 
 

@@ -83,8 +83,12 @@ class Return:
                     f"{self.retry_s:.0f})")  # fmt: skip
         if now - self._warned_at >= WARN_EVERY_S:
             self._warned_at = now
-            logger.warning("vLLM server %s has been down for %.0fs; training goes on with the other servers%s",
-                           self.url, down, f" (it stops after {self.down_limit_s:.0f}s)" if self.down_limit_s else "")
+            logger.warning(
+                "vLLM server %s has been down for %.0fs; training goes on with the other servers%s",
+                self.url,
+                down,
+                f" (it stops after {self.down_limit_s:.0f}s)" if self.down_limit_s else "",
+            )
         return None
 
     def lost_again(self) -> None:

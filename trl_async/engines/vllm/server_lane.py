@@ -47,7 +47,6 @@ def cut_after_eos(token_ids: Sequence[int], eos_token_ids: Sequence[int]) -> int
     return len(token_ids)
 
 
-
 @dataclass(eq=False)
 class VLLMLane(HoldsTasks):
     spec: VLLMLaneSpec
@@ -211,8 +210,14 @@ class VLLMLane(HoldsTasks):
         for i, context in enumerate(task.contexts):
             rows_of.setdefault(tuple(context), []).append(i)
         requests = [
-            (context, {**params, "n": len(rows),
-                       "seed": params["seed"] + 7919 * (task.rows[rows[0]] + 1) + 104_729 * len(context)})  # fmt: skip
+            (
+                context,
+                {
+                    **params,
+                    "n": len(rows),
+                    "seed": params["seed"] + 7919 * (task.rows[rows[0]] + 1) + 104_729 * len(context),
+                },
+            )  # fmt: skip
             for context, rows in rows_of.items()
         ]
         answers = self._generate_all(requests)
