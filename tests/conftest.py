@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -64,22 +65,32 @@ def no_rollout_children():
     return not [p for p in multiprocessing.active_children() if p.name.startswith("trl_async")]
 
 
+VLLM_FIXTURES = {"vllm_server", "vllm_tool_server", "vllm_server_to_kill", "vllm_server_to_restart",
+                 "vllm_lone_server", "vllm_server_to_heal", "vllm_pair_to_heal"}
+
+
 def pytest_collection_modifyitems(items):
-    """Every test is `unit` (marked in its module) or `integration`; 2-process launches are also `distributed`, and
-    tests that use the real vLLM server are also `vllm` and run last. `pytest -m "not vllm"` skips the vLLM install
-    and server."""
+    """The folder sets the kind: tests/unit/ is `unit` (pure functions, construction checks); tests/integration/,
+    tests/vllm/ and tests/distributed/ are `integration`, except a test marked `unit` there (a fast check kept beside
+    the ones it belongs with). tests/distributed/ is also `distributed` (2-process launches). A test using a real vLLM
+    server (one of VLLM_FIXTURES; most are in tests/vllm/, beside tests of the vLLM engine against stub servers) is
+    also `vllm` and runs last: `pytest -m "not vllm"` skips the vLLM install and server."""
     for item in items:
-        if item.get_closest_marker("unit") is None:
+        folder = Path(str(item.fspath)).parent.name
+        if folder == "unit":
+            item.add_marker(pytest.mark.unit)
+        elif item.get_closest_marker("unit") is None:
             item.add_marker(pytest.mark.integration)
-        if item.module.__name__.endswith("test_distributed"):
+        if folder == "distributed":
             item.add_marker(pytest.mark.distributed)
-        if {"vllm_server", "vllm_tool_server", "vllm_server_to_kill", "vllm_server_to_restart", "vllm_lone_server",
-            "vllm_server_to_heal", "vllm_pair_to_heal"} & set(getattr(item, "fixturenames", ())):  # fmt: skip
+        if VLLM_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.vllm)
     # the vLLM tests last (stable order otherwise): `.ci/run` installs the vLLM environment in the background while
     # the others run, so the first vLLM server rarely waits for it
     uses_vllm = [item.get_closest_marker("vllm") is not None for item in items]
-    items[:] = [i for i, v in zip(items, uses_vllm, strict=True) if not v] + [i for i, v in zip(items, uses_vllm, strict=True) if v]
+    items[:] = [i for i, v in zip(items, uses_vllm, strict=True) if not v] + [
+        i for i, v in zip(items, uses_vllm, strict=True) if v
+    ]
 
 
 @pytest.fixture(scope="session")

@@ -53,4 +53,3 @@ def test_with_window_one_batches_train_in_admission_order_and_none_is_dropped(tm
     order = [sorted(by_step[s]) for s in range(6)]
     assert [i for ids in order for i in ids] == list(range(12)), order  # admission order, no gaps: nothing dropped
     assert trainer.last_rollout_pool.dropped_groups == 0
-

@@ -133,7 +133,14 @@ def test_statistics_across_ranks_by_hand():
     from trl_async.correction import stats_across_ranks
 
     rank0 = {"ratio_mean": 1.0, "ratio_min": 0.5, "ratio_max": 2.0, "ess": 0.9, "behaviour_nan": 1, "masked_frac": 0.0}
-    rank1 = {"ratio_mean": 2.0, "ratio_min": 0.25, "ratio_max": 1.5, "ess": 0.7, "behaviour_nan": 2, "masked_frac": 0.5}
+    rank1 = {
+        "ratio_mean": 2.0,
+        "ratio_min": 0.25,
+        "ratio_max": 1.5,
+        "ess": 0.7,
+        "behaviour_nan": 2,
+        "masked_frac": 0.5,
+    }
     expected = {"ratio_mean": 1.5, "ratio_min": 0.25, "ratio_max": 2.0, "ess": 0.8, "behaviour_nan": 3,
                 "masked_frac": 0.25}  # fmt: skip
     assert stats_across_ranks([rank0, rank1], [3, 5]) == pytest.approx(expected)

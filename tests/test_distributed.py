@@ -153,7 +153,9 @@ def test_a_rank_that_stops_arriving_is_named_not_waited_for_forever(tmp_path, ti
         str(ROOT / "tests/distributed/train_and_check.py"), "--model", tiny_model_dir, "--out", str(out), "--use_cpu",
         "--stall_rank1", "300",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONFAULTHANDLER": "1"}
+    )
     assert proc.returncode != 0  # failed well before rank 1 woke up (300 s) and before the 300 s test timeout
     error = json.loads(out.read_text())["error"]
     assert "not every rank reached the next rollout batch" in error and "Ranks 1 failed" in error

@@ -148,7 +148,7 @@ def test_the_scorer_has_its_own_reward_tokenizers(tmp_path, tiny_model_dir):
                                args=async_args(tmp_path), train_dataset=text_dataset())  # fmt: skip
     score_group, scorers = make_score_group(trainer)
     group = RolloutGroup(group_id=0, prompt_index=0, prompt_ids=(5, 6), completion_ids=((7, 8),) * 4,
-                         logprobs=((-1.0, -1.0),) * 4, versions=((0, 0),) * 4, worker_id=0, generate_s=0.0)  # fmt: skip
+                         logprobs=((-1.0, -1.0),) * 4, versions=((0, 0),) * 4, lane_id=0, generate_s=0.0)  # fmt: skip
     results = []
     threads = [
         threading.Thread(target=lambda: results.append(score_group(group, trainer.train_dataset[0]))) for _ in range(2)
@@ -207,7 +207,9 @@ def test_peft_lora_workers_receive_merged_weights(tmp_path, tiny_model_dir, targ
 
     model_dir = str(save_tiny_model(tmp_path / "untied", tie_word_embeddings=False))
     # the merged path (adapter-only sync, the default where it applies, is tests/test_lora_sync.py)
-    args = async_args(tmp_path, max_steps=3, rollout_verify_weights=True, learning_rate=5e-2, rollout_lora_sync="merged")
+    args = async_args(
+        tmp_path, max_steps=3, rollout_verify_weights=True, learning_rate=5e-2, rollout_lora_sync="merged"
+    )
     kept = KeepPublished()
     trainer = AsyncGRPOTrainer(
         model=model_dir,

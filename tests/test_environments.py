@@ -71,7 +71,10 @@ def test_environment_owned_rewards_and_messages_match_grpo_trainer(tmp_path, too
                             train_dataset=rows(), environment_factory=Multiplier)  # fmt: skip
     ours.train()
     assert tool_metrics(ours) == tool_metrics(sync) == [(pytest.approx(2 / 3), 0.5)] * 2
-    env_rewards = lambda t: [h["rewards/Multiplier/mean"] for h in t.state.log_history if "rewards/Multiplier/mean" in h]  # noqa: E731
+
+    def env_rewards(t):
+        return [h["rewards/Multiplier/mean"] for h in t.state.log_history if "rewards/Multiplier/mean" in h]
+
     # the environment owns a reward: 3 x 4 = 12 is right (1), the failed call and plain text are not (0)
     assert env_rewards(ours) == env_rewards(sync) == [pytest.approx(1 / 3)] * 2
     by_prompt = lambda seen: {p[-1]["content"]: c for ps, cs in seen for p, c in zip(ps, cs, strict=True)}  # noqa: E731
@@ -192,7 +195,9 @@ def test_a_reset_that_always_raises_stops_training_with_its_error(tmp_path, tool
     ours = AsyncGRPOTrainer(model=tool_model_dir, reward_funcs=Recorder(), processing_class=tokenizer_of(tool_model_dir),
                             args=async_args(tmp_path, **TOOL_SETTINGS), train_dataset=rows(),
                             environment_factory=Broken)  # fmt: skip
-    with pytest.raises(RuntimeError, match="groups in a row could not run(.|\\n)*reset raised(.|\\n)*the sandbox is down"):
+    with pytest.raises(
+        RuntimeError, match="groups in a row could not run(.|\\n)*reset raised(.|\\n)*the sandbox is down"
+    ):
         ours.train()
     assert no_rollout_children()
 
@@ -247,7 +252,9 @@ def timeout_model_dir(request, tmp_path_factory) -> str:
         "across_turns": [(call, [TIMED_OUT, "12"]), (call, [busy, "12"]), ("Done!", [])],
         "within_a_turn": [(call + "\n" + call, [TIMED_OUT, busy, "12"]), ("Done!", [])],
     }[request.param]
-    return str(tiny.build_tool_model(tmp_path_factory.mktemp(request.param), {"What is 3 times 4?": episodes}, [multiply]))
+    return str(
+        tiny.build_tool_model(tmp_path_factory.mktemp(request.param), {"What is 3 times 4?": episodes}, [multiply])
+    )
 
 
 def test_after_a_timed_out_call_an_environment_episode_runs_no_more_calls_on_its_instance(tmp_path, timeout_model_dir):

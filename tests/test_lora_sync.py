@@ -155,8 +155,6 @@ class VersionedTrainer(AsyncGRPOTrainer):
         return super()._publish_weights(version)
 
 
-
-
 @pytest.mark.parametrize("sync", ["adapters", "merged"])
 def test_workers_sample_from_the_trainers_adapted_model_of_each_version(tmp_path, tiny_model_dir, sync):
     """Every token's mu equals a teacher-forced forward of the trainer's peft model (adapters applied unmerged, as

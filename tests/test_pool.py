@@ -15,7 +15,7 @@ from transformers import GenerationConfig
 from trl_async.demo.tiny import build_char_tokenizer, build_tiny_model
 from trl_async.engines.transformers.worker import WorkerSpec
 from trl_async.engines.transformers.worker_process import ProcessBackend
-from trl_async.rollout.pool import PoolSettings, RolloutPool, RolloutWorkerError
+from trl_async.rollout.pool import PoolSettings, RolloutLaneError, RolloutPool
 from trl_async.rollout.prompts import PromptStream
 from trl_async.rollout.scored import ScoredGroup
 
@@ -28,7 +28,9 @@ def make_pool(
 ):  # fmt: skip
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, max_position_embeddings=max(256, max_new_tokens + 16))
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=True, pad_token_id=tok.pad_token_id, eos_token_id=[])
+    gen = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=True, pad_token_id=tok.pad_token_id, eos_token_id=[]
+    )
     specs = [
         WorkerSpec(
             i,
@@ -190,7 +192,7 @@ def test_a_stuck_reward_does_not_stop_the_worker_health_checks():
     try:
         wait_until(lambda: pool.outstanding(0) == [] and pool.admitted == 2)  # both groups came back: scoring hangs
         os.kill(pool.processes[0].pid, signal.SIGKILL)
-        wait_until(lambda: pool.worker_restarts == 1, timeout=20)
+        wait_until(lambda: pool.lane_restarts == 1, timeout=20)
     finally:
         release.set()
         pool.close()
@@ -255,7 +257,7 @@ def test_a_killed_worker_is_reported_by_name():
         wait_until(lambda: pool.ready_count == 2)
         pool.processes[0].kill()
         pool.processes[0].join(5)
-        with pytest.raises(RolloutWorkerError, match="rollout worker 0 .* exited with code"):
+        with pytest.raises(RolloutLaneError, match="rollout worker 0 .* exited with code"):
             pool.take(4, consumer_version=0)
     finally:
         pool.close()
@@ -271,7 +273,7 @@ def test_a_worker_killed_mid_generation_is_restarted_and_its_groups_generated_ag
         wait_until(lambda: len(pool.outstanding(0)) == 2)
         os.kill(lost.pid, signal.SIGKILL)
         groups, stats = pool.take(2, consumer_version=1)
-        assert pool.worker_restarts == 1 and "exited with code -9" in pool.lost_workers[0]
+        assert pool.lane_restarts == 1 and "exited with code -9" in pool.lost_lanes[0]
         assert pool.processes[0].pid != lost.pid and not lost.is_alive()
         # the dead worker's two groups were generated again: same prompts, fresh version, none lost or doubled
         assert [g.group.prompt_index for g in first] == [0, 1]
@@ -289,7 +291,7 @@ def test_closing_kills_a_worker_inside_a_generate_call_and_lets_an_idle_one_exit
     at the end of every train() on the real model); an idle worker exits by itself (exit code 0, not killed)."""
     busy, _ = make_pool(max_staleness=0, max_new_tokens=1500)  # one call of ~4 s here (no EOS: all 1500 tokens)
     try:
-        wait_until(lambda: len(busy.outstanding(0)) == 2 and busy.worker_versions.get(0) == 0)
+        wait_until(lambda: len(busy.outstanding(0)) == 2 and busy.lane_versions.get(0) == 0)
         time.sleep(0.5)  # inside its generate call
         assert busy.ready_count == 0
     finally:
@@ -309,7 +311,7 @@ def test_a_worker_whose_weights_miss_a_parameter_refuses_to_generate_and_names_i
     arbitrary memory, so the worker stops with its name instead of sampling from it."""
     pool, _ = make_pool(max_staleness=0, publish_only=lambda name: name != "model.norm.weight")
     try:
-        with pytest.raises(RolloutWorkerError, match=r"do not cover .*model\.norm\.weight"):
+        with pytest.raises(RolloutLaneError, match=r"do not cover .*model\.norm\.weight"):
             pool.take(2, consumer_version=0)
     finally:
         pool.close()
@@ -324,7 +326,7 @@ def test_a_stopped_worker_misses_heartbeats_and_is_replaced():
         pool.publish([list(model.named_parameters())], version=1)
         groups, _ = pool.take(2, consumer_version=1)  # served by the replacement
         assert sorted(g.group.prompt_index for g in groups) == [2, 3]
-        assert "no heartbeat" in pool.lost_workers[0] and not stopped.is_alive()
+        assert "no heartbeat" in pool.lost_lanes[0] and not stopped.is_alive()
     finally:
         pool.close()
 
@@ -336,7 +338,7 @@ def test_a_stopped_worker_without_restarts_left_is_an_error_not_a_hang():
         os.kill(pool.processes[0].pid, signal.SIGSTOP)
         pool.publish([list(model.named_parameters())], version=1)
         start = time.monotonic()
-        with pytest.raises(RolloutWorkerError, match=r"rollout worker 0 .* no heartbeat for .*rollout_max_restarts=0"):
+        with pytest.raises(RolloutLaneError, match=r"rollout worker 0 .* no heartbeat for .*rollout_max_restarts=0"):
             pool.take(2, consumer_version=1)
         assert time.monotonic() - start < 10
     finally:

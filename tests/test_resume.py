@@ -82,7 +82,6 @@ def test_resume_inside_a_generation_batch_drops_nothing_and_follows_grpo_trainer
     assert second.state.global_step == 6 and no_rollout_children()
 
 
-
 def test_resume_after_out_of_order_groups_neither_repeats_nor_skips_prompts(tmp_path, tiny_model_dir):
     """Groups reach the trainer out of order (here the first prompt's reward is slow and a second scoring thread
     scores the next groups meanwhile), so the prompts trained by the checkpoint are not the first ones of the

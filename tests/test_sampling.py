@@ -107,7 +107,9 @@ def test_a_token_the_proximal_truncation_removes_gets_weight_zero():
 
 
 def test_settings_read_both_engines_conventions():
-    vllm = settings_of("vllm", {"temperature": 0.9, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0})
+    vllm = settings_of(
+        "vllm", {"temperature": 0.9, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+    )
     assert vllm == SamplingSettings(engine="vllm", temperature=0.9) and not vllm.reshapes
     hf = settings_of("transformers", {"temperature": 1.0, "top_k": None, "top_p": 0.95, "min_p": None,
                                       "typical_p": 1.0, "epsilon_cutoff": 0.0, "top_h": None})  # fmt: skip

@@ -74,4 +74,3 @@ def test_closing_the_rollout_func_runner_waits_for_a_running_rollout():
     runner.close(timeout_s=5)
     assert finished_rollouts == [2]  # joined: the rollout had returned when close did
     assert not delivered and not failed  # its group was not handed to the closed pool, and nothing failed
-

@@ -95,7 +95,6 @@ def test_trl_tool_scenarios_give_grpo_trainers_metrics_and_messages(tmp_path, to
     assert no_rollout_children()
 
 
-
 class _KeepLoopOutputs:
     """Mixin: keep what `_tool_call_loop` returned (per rollout: tool mask, messages, completion ids)."""
 
@@ -222,7 +221,9 @@ def test_a_tool_result_that_would_overflow_is_rolled_back_as_grpo_trainer_does(t
     assert sorted(ours.loop_outputs) == sorted(sync.loop_outputs)
     ids, mask = next((i, m) for p, i, m in ours.loop_outputs if p == "What is 3 times 4?")
     assert all(mask) and tokenizer.decode(ids).endswith("</tool_call><|im_end|>")  # ends on the call, no result
-    messages = next(c for ps, cs in recorder.seen for p, c in zip(ps, cs, strict=True) if "3 times" in p[-1]["content"])
+    messages = next(
+        c for ps, cs in recorder.seen for p, c in zip(ps, cs, strict=True) if "3 times" in p[-1]["content"]
+    )
     assert [m["role"] for m in messages] == ["assistant"]  # the rolled-back tool message is gone
     assert tool_metrics(ours) == tool_metrics(sync) == [(0.5, 0.0)]  # the call still counts, as in GRPOTrainer
 

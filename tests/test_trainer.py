@@ -30,6 +30,7 @@ from .conftest import (
 
 OMP_WAIT_POLICY_AT_IMPORT = os.environ.get("OMP_WAIT_POLICY")
 
+
 def test_trains_updates_every_parameter_within_the_staleness_bound_and_joins_workers(tmp_path, tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -44,7 +45,7 @@ def test_trains_updates_every_parameter_within_the_staleness_bound_and_joins_wor
     pool = trainer.last_rollout_pool
     # each adoption hashed the worker's weights and matched the hash of the trainer weights published as that version
     assert pool.verified_adoptions >= 2
-    assert max(pool.worker_versions.values()) >= 1
+    assert max(pool.lane_versions.values()) >= 1
     assert not any(p.is_alive() for p in pool.processes) and no_rollout_children()
     # the progress bar showed the last consumed batch (logging_steps=1: one log per batch)
     (bar,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, AsyncProgressCallback)]
@@ -141,7 +142,9 @@ def test_a_missing_behaviour_logprob_leaves_the_loss_finite(tmp_path, tiny_model
         at_one = behaviour.clone()
         at_one[1, 1] = current[1, 1]  # ratio exactly 1 for that token
         expected = loss(at_one, inputs["completion_mask"])
-    assert got == pytest.approx(expected, rel=1e-5) and got != pytest.approx(loss(behaviour, inputs["completion_mask"]))
+    assert got == pytest.approx(expected, rel=1e-5) and got != pytest.approx(
+        loss(behaviour, inputs["completion_mask"])
+    )
     assert trainer._metrics["train"]["is/behaviour_nan"][0] == 1  # the first loss() call: the one with the NaN
 
 
@@ -246,8 +249,11 @@ def test_interrupted_training_releases_workers_threads_and_shared_memory(tmp_pat
     from multiprocessing import resource_tracker
 
     process_wide = {str(resource_tracker._resource_tracker._fd)}  # multiprocessing's own, opened once per process
-    leaked = {fd: target for fd, target in open_fds().items() if fd not in fds_before and fd not in process_wide
-              and not target.startswith("/dev/shm/pym-")}  # fmt: skip  (pym-: multiprocessing's shared heap arena)
+    leaked = {
+        fd: target
+        for fd, target in open_fds().items()
+        if fd not in fds_before and fd not in process_wide and not target.startswith("/dev/shm/pym-")
+    }  # fmt: skip  (pym-: multiprocessing's shared heap arena)
     assert leaked == {}  # shared-memory weights ("/dev/shm/torch_..."), pipes and sockets all closed
 
 
@@ -284,7 +290,7 @@ def test_a_worker_killed_during_training_is_restarted_and_training_completes(tmp
     )
     trainer.train()
     pool = trainer.last_rollout_pool
-    assert trainer.state.global_step == 6 and pool.worker_restarts == 1 and not killed[0].is_alive()
+    assert trainer.state.global_step == 6 and pool.lane_restarts == 1 and not killed[0].is_alive()
     assert max(trained_staleness(trainer)) <= 1
     assert max(h.get("async/worker_restarts", 0) for h in trainer.state.log_history) == 1
     assert not any(p.is_alive() for p in pool.processes) and no_rollout_children()
@@ -306,7 +312,7 @@ def test_worker_weights_equal_the_trainer_weights_after_the_last_sync(tmp_path, 
         assert torch.equal(shared.weights[name], tensor.detach()), name
     assert any(not torch.equal(initial[n], t) for n, t in final.items())  # training moved the weights: a real check
     # and the workers' own copies: each adoption was hashed in the worker and matched the published set's hash
-    assert pool.verified_adoptions >= 2 and max(pool.worker_versions.values()) >= 2
+    assert pool.verified_adoptions >= 2 and max(pool.lane_versions.values()) >= 2
 
 
 def test_cpu_workers_run_at_low_priority_with_passive_openmp_and_the_trainers_compute_dtype(tmp_path, tiny_model_dir):

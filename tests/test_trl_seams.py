@@ -55,7 +55,9 @@ LOSS_SETTINGS = [
 ]
 
 
-@pytest.mark.parametrize("settings", LOSS_SETTINGS, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()) or "default")
+@pytest.mark.parametrize(
+    "settings", LOSS_SETTINGS, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()) or "default"
+)
 def test_grpo_trainers_loss_makes_the_policy_forward_first_and_reads_use_vllm_only_for_the_ratio(
     tmp_path, tiny_model_dir, settings
 ):

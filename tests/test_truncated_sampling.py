@@ -36,8 +36,17 @@ def assert_ratios_are_one(trainer, tol: float) -> None:
         dict(temperature=0.7, repetition_penalty=1.3, generation_kwargs={"do_sample": False, "min_new_tokens": 3}),
         COMBINATION,
     ],
-    ids=["top_p", "top_k", "min_p", "repetition_penalty", "typical_epsilon", "min_new_tokens", "kwargs_temperature",
-         "greedy", "combination"],
+    ids=[
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "typical_epsilon",
+        "min_new_tokens",
+        "kwargs_temperature",
+        "greedy",
+        "combination",
+    ],
 )
 def test_transformers_workers_ratio_is_one_at_staleness_0(tmp_path, tiny_model_dir, sampler):
     args = async_args(tmp_path, max_staleness=0, max_steps=3, max_completion_length=10, **sampler)

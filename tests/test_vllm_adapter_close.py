@@ -84,7 +84,9 @@ def served(tmp_path):
     def make(running: int) -> tuple[SteppingServer, ServedAdapters]:
         server = SteppingServer(running)
         made.append(server)
-        adapters = ServedAdapters([VLLMServer(server.url, request_timeout_s=5, retry_s=5)], keep=2, directory=str(tmp_path))
+        adapters = ServedAdapters(
+            [VLLMServer(server.url, request_timeout_s=5, retry_s=5)], keep=2, directory=str(tmp_path)
+        )
         for version in (3, 4):  # two versions loaded, with their files
             (adapters.directory / f"v{version}").mkdir(parents=True)
         adapters.resident, adapters.current = [3, 4], 4

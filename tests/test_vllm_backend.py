@@ -19,7 +19,7 @@ from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl_async.engines.vllm.backend import cut_after_eos
 from trl_async.engines.vllm.client import VLLMServer, VLLMServerError, completions_from_response, token_versions
 from trl_async.engines.vllm.push import VLLMWeightPusher, free_port
-from trl_async.rollout.pool import RolloutWorkerError
+from trl_async.rollout.pool import RolloutLaneError
 from trl_async.weights.gloo import plan_buckets, receive_buckets, send_buckets
 from trl_async.weights.policy import iter_policy_buckets, policy_specs
 
@@ -305,7 +305,7 @@ def test_each_group_goes_to_the_least_loaded_server():
         # now the least loaded (0 against 2 and 2), not round-robin to servers 0 and 1
         stubs[1].release.set()
         groups, _ = pool.take(2, consumer_version=0)
-        assert {g.group.worker_id for g in groups} == {1}
+        assert {g.group.lane_id for g in groups} == {1}
         _wait_until(lambda: pool.admitted == 8 and sum(s.received for s in stubs) == 8)
         assert [s.received for s in stubs] == [2, 4, 2]
     finally:
@@ -325,7 +325,7 @@ def test_of_equally_loaded_servers_the_one_idle_longest_gets_the_next_group():
         s.release.set()
     pool = _pool_over(stubs, queue_size=1)  # one group at a time: admitted only when the last one was taken
     try:
-        workers = [pool.take(1, consumer_version=0)[0][0].group.worker_id for _ in range(4)]
+        workers = [pool.take(1, consumer_version=0)[0][0].group.lane_id for _ in range(4)]
     finally:
         pool.close()
         for s in stubs:
@@ -343,7 +343,7 @@ def test_a_server_back_while_no_other_works_makes_take_ask_for_a_weight_sync():
     pool = _pool_over([stub], queue_size=3)
     try:
         _wait_until(lambda: stub.received == 3)
-        lane = pool.lanes.workers[0]
+        lane = pool.lanes.current[0]
         lane.returning = Return(stub.url, {}, None, 10, lambda: False, state="back", back_at=time.time())
         assert pool.backend.resync_wanted and lane.max_outstanding == 0
         stub.release.set()
@@ -367,10 +367,10 @@ def test_a_server_sampling_with_another_clients_weights_stops_training_naming_it
     foreign.release.set()
     pool = _pool_over([foreign, good], queue_size=4, timeout_s=15)  # the first group goes to the foreign server
     try:
-        with pytest.raises(RolloutWorkerError, match="labelled 'other-trainer:3'") as excinfo:
+        with pytest.raises(RolloutLaneError, match="labelled 'other-trainer:3'") as excinfo:
             for _ in range(4):  # groups from both servers; the foreign one's are never handed to the trainer
                 groups, _ = pool.take(1, consumer_version=0)
-                assert groups[0].group.worker_id == 1
+                assert groups[0].group.lane_id == 1
         assert foreign.url in str(excinfo.value)
         assert foreign.received > 0
     finally:
@@ -510,7 +510,7 @@ def test_async_training_against_the_server_holds_the_staleness_bound(tmp_path, v
         assert r["staleness"] == r["step"] - oldest[r["group_id"]] <= 1
     assert any(r["staleness"] == 1 for r in rows)  # it did run ahead
     pool = trainer.last_rollout_pool
-    assert pool.worker_versions == {0: 4} and pool.dropped_groups == 0
+    assert pool.lane_versions == {0: 4} and pool.dropped_groups == 0
     # the last push (after step 4) is on the server: its greedy output is the trained model's
     model = trainer.model.eval()
     server = VLLMServer(vllm_server.url)
@@ -551,7 +551,7 @@ def test_a_server_that_dies_mid_run_stops_training_with_an_error_naming_it(
         model=vllm_model_dir, reward_funcs=_reward, args=args, train_dataset=_dataset(), callbacks=[KillServer()]
     )
     try:
-        with pytest.raises((RolloutWorkerError, VLLMServerError, RuntimeError), match=server.url) as excinfo:
+        with pytest.raises((RolloutLaneError, VLLMServerError, RuntimeError), match=server.url) as excinfo:
             trainer.train()
         assert "every vLLM server is down" in str(excinfo.value) and "rollout_vllm_retry_s=2" in str(excinfo.value)
     finally:

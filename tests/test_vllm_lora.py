@@ -40,7 +40,9 @@ def test_each_version_is_a_named_adapter_and_mu_is_the_adapted_models(tmp_path, 
     time, and none is left on the server after training."""
     lora = LoraConfig(r=4, lora_alpha=16, use_rslora=True, target_modules=TARGETS, init_lora_weights=False)
     adapter_dir = tmp_path / "adapters"
-    args = _vllm_args(tmp_path, vllm_server.url, max_steps=5, max_staleness=1, rollout_vllm_adapter_dir=str(adapter_dir))
+    args = _vllm_args(
+        tmp_path, vllm_server.url, max_steps=5, max_staleness=1, rollout_vllm_adapter_dir=str(adapter_dir)
+    )
     trainer = CountingTrainer(model=vllm_model_dir, reward_funcs=_reward, args=args, train_dataset=_dataset(),
                               peft_config=lora)  # fmt: skip
     assert trainer._adapter_sync
@@ -100,5 +102,7 @@ def test_a_rank_beyond_the_servers_falls_back_to_merged_weights_and_says_why(
     server = VLLMServer(vllm_server.url)
     for prompt in PROMPTS:
         expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None)
-        got = server.generate(prompt, {"n": 1, "max_tokens": 12, "temperature": 0.0, "logprobs": 0, "ignore_eos": True})
+        got = server.generate(
+            prompt, {"n": 1, "max_tokens": 12, "temperature": 0.0, "logprobs": 0, "ignore_eos": True}
+        )
         assert list(got[0].token_ids) == expected[0, len(prompt) :].tolist()

@@ -87,7 +87,7 @@ def test_a_killed_server_restarted_on_its_port_is_reattached_and_nothing_is_lost
                 state["thread"].join(240)
                 deadline = time.monotonic() + 60
                 while True:  # its lane replaced by one that waits, and that one has seen it back
-                    returning = pool.lanes.workers[1].returning
+                    returning = pool.lanes.current[1].returning
                     if returning is not None and returning.state in ("back", "attached"):
                         break
                     assert time.monotonic() < deadline, "the restarted server was not seen back"
@@ -225,7 +225,7 @@ def test_a_server_that_comes_back_serving_another_model_is_refused_with_both_nam
             if state.global_step == 2:
                 url.target = None  # down
                 deadline = time.monotonic() + 60
-                while trainer.rollout_pool.lanes.workers[0].returning is None:  # its lane replaced by one that waits
+                while trainer.rollout_pool.lanes.current[0].returning is None:  # its lane replaced by one that waits
                     assert time.monotonic() < deadline, "the lost server's lane was not replaced"
                     time.sleep(0.2)
                 url.target = address(vllm_tool_server.url)  # back, as another model
@@ -299,7 +299,7 @@ def test_the_only_server_restarted_between_two_pushes_gets_its_transport_before_
             state["restarted"].stop()
     assert trainer.state.global_step == 5, time.monotonic() - started
     assert [r["url"] for r in trainer.last_rollout_pool.backend.reattached] == [url.url]
-    after = [line.split()[1].split("?")[0] for _, line in url.requests[state["killed_at"]:]]
+    after = [line.split()[1].split("?")[0] for _, line in url.requests[state["killed_at"] :]]
     transfer = [p for p in after if p in ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights")]
     assert transfer[:1] == ["/init_weight_transfer_engine"], transfer  # its transport first, then weights
-    assert "/update_weights" in transfer and "/inference/v1/generate" in after[after.index("/update_weights"):]
+    assert "/update_weights" in transfer and "/inference/v1/generate" in after[after.index("/update_weights") :]

@@ -88,7 +88,9 @@ def check_run(trainer, tmp_path, steps: int, batch: int, max_staleness: int, mod
     steps_of: dict[int, set] = {}
     for r in rows:
         steps_of.setdefault(r["group_id"], set()).add(r["step"])
-        assert r["staleness"] <= max_staleness and all(r["step"] - max_staleness <= v <= r["step"] for v in r["versions"])
+        assert r["staleness"] <= max_staleness and all(
+            r["step"] - max_staleness <= v <= r["step"] for v in r["versions"]
+        )
     assert all(len(s) == 1 for s in steps_of.values())  # no group trained twice
     assert sorted({r["step"] for r in rows}) == list(range(steps)) and len(rows) == steps * batch  # none lost
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

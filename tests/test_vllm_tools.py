@@ -68,7 +68,10 @@ def test_environments_on_the_vllm_backend_give_grpo_trainers_rewards(tmp_path, v
                             args=_vllm(tmp_path / "async", vllm_tool_server.url),
                             train_dataset=rows(), environment_factory=Multiplier)  # fmt: skip
     ours.train()
-    env_rewards = lambda t: [h["rewards/Multiplier/mean"] for h in t.state.log_history if "rewards/Multiplier/mean" in h]  # noqa: E731
+
+    def env_rewards(t):
+        return [h["rewards/Multiplier/mean"] for h in t.state.log_history if "rewards/Multiplier/mean" in h]
+
     assert env_rewards(ours) == env_rewards(sync) == [pytest.approx(1 / 3)] * 2
     assert tool_metrics(ours) == tool_metrics(sync)
     assert _by_prompt(recorder.seen) == _by_prompt(reference.seen)

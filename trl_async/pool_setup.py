@@ -238,7 +238,7 @@ def _vllm_backend(trainer, model, urls: list[str], owned: list):
     sampling = vllm_sampling_params(trainer)
     specs = [
         VLLMLaneSpec(
-            worker_id=i,
+            lane_id=i,
             url=url,
             sampling_params=sampling,
             eos_token_ids=tuple(trainer.eos_token_ids),

@@ -49,7 +49,7 @@ class RolloutGroup:
     completion_ids: tuple[tuple[int, ...], ...]
     logprobs: tuple[tuple[float, ...], ...]
     versions: tuple[tuple[int, ...], ...]
-    worker_id: int
+    lane_id: int  # the lane that generated it: a worker process's or a vLLM server's index
     generate_s: float  # wall time of the generate call that produced this group (shared by its batch)
     generate_started_at: float = 0.0  # time.time() when that call started (comparable across processes)
     rows: tuple[int, ...] = ()  # a later turn: the episodes these completions continue (RolloutTask.rows)
@@ -89,24 +89,26 @@ class RolloutGroup:
 
 @dataclass(frozen=True, slots=True)
 class WeightsAdopted:
-    """A worker reports that it now generates with ``version`` (``digest`` set when weight verification is on)."""
+    """A lane reports that it now generates with ``version`` (``digest`` set when weight verification is on)."""
 
-    worker_id: int
+    lane_id: int
     version: int
     digest: str | None
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerFailed:
-    """A worker caught an exception; it exits after sending this."""
+class LaneFailed:
+    """A lane caught an exception (a worker process exits after sending this)."""
 
-    worker_id: int
+    lane_id: int
     error: str  # formatted traceback
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerReady:
-    worker_id: int
+    """A worker process has started: where it runs."""
+
+    lane_id: int
     pid: int
     cores: tuple[int, ...] = ()  # where it runs (os.sched_getaffinity), as it reports it
     torch_threads: int = 0

@@ -200,9 +200,17 @@ def unreproduced_settings(engine: str, generation_kwargs: Mapping | None) -> lis
     return [key for key in (generation_kwargs or {}) if key in UNREPRODUCED[engine]]
 
 
-def proximal_logps(model, input_ids, attention_mask, prompt_width: int, settings: SamplingSettings,
-                   temperature: float, batch_size: int, autocast,
-                   sampled: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def proximal_logps(
+    model,
+    input_ids,
+    attention_mask,
+    prompt_width: int,
+    settings: SamplingSettings,
+    temperature: float,
+    batch_size: int,
+    autocast,
+    sampled: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log pi, log pi processed)`` of the completion tokens (``input_ids[:, prompt_width:]``) under ``model``, in
     chunks of ``batch_size`` rows: the softmax at ``temperature``, as GRPOTrainer's loss computes it, and the
     distribution the engine samples from (``processed_logps``; ``sampled``: GRPOTrainer's ``tool_mask``, 1 where
@@ -224,8 +232,9 @@ def proximal_logps(model, input_ids, attention_mask, prompt_width: int, settings
     return torch.cat(full), torch.stack(processed)
 
 
-def refused_sampling(engine: str, fields: Mapping, generation_kwargs: Mapping | None, correcting: bool,
-                     bypass: bool) -> tuple[str, str] | None:
+def refused_sampling(
+    engine: str, fields: Mapping, generation_kwargs: Mapping | None, correcting: bool, bypass: bool
+) -> tuple[str, str] | None:
     """``(field, why and the fix)`` when the off-policy correction cannot be exact with these sampling settings
     (``fields``: GRPOConfig's temperature, top_k, top_p, min_p and repetition_penalty), else ``None``."""  # fmt: skip
     kwargs = dict(generation_kwargs or {})

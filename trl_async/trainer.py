@@ -320,7 +320,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         metrics = self._metrics["train"]
         pool = self._pool
         extra = batch_metrics(stats, groups, self.async_args.max_staleness,
-                              worker_restarts=pool.worker_restarts if pool is not None else 0,
+                              worker_restarts=pool.lane_restarts if pool is not None else 0,
                               abandoned_groups=None if self.environment_factories is None else
                               (pool.abandoned_groups if pool is not None else 0))  # fmt: skip
         for name, value in extra.items():

@@ -1,6 +1,6 @@
 """An audit trail of what was trained on: one JSON line per completion consumed.
 
-Each line: optimizer ``step``, ``group_id``, ``worker_id``, ``prompt_index``, ``prompt`` (the dataset's prompt, text
+Each line: optimizer ``step``, ``group_id``, ``worker_id`` (the lane: a worker process's or vLLM server's index), ``prompt_index``, ``prompt`` (the dataset's prompt, text
 or messages), ``completion`` (decoded text), ``rewards`` (every reward function's value, ``null`` for None/NaN),
 ``advantage``, ``staleness``, ``versions`` (the policy version of each completion token), and the token ids with the
 behaviour log-probs, enough to recompute every importance weight: ``prompt_ids``, ``completion_ids`` and ``logprobs``
@@ -35,7 +35,7 @@ def trajectory_records(
         record = {
             "step": step,
             "group_id": group.group_id,
-            "worker_id": group.worker_id,
+            "worker_id": group.lane_id,
             "prompt_index": group.prompt_index,
             # environments: each episode's own prompt (with its reset observation); the data may have no "prompt"
             "prompt": group.row_prompts[j] if group.row_prompts else scored.row.get("prompt"),

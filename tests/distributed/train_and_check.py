@@ -163,7 +163,7 @@ def write_vllm_result(cli, trainer, reference, pool):
     """The consolidated weights go to a file: the test compares the server's greedy output with them (building a
     model here would run DeepSpeed's ZeRO-3 init, a collective, on rank 0 alone)."""
     torch.save({k: v.float().cpu() for k, v in reference.items()}, os.path.join(os.path.dirname(cli.out), "final.pt"))
-    result = {**run_facts(trainer), "server_version": pool.worker_versions}
+    result = {**run_facts(trainer), "server_version": pool.lane_versions}
     with open(cli.out, "w") as f:
         json.dump(result, f)
 

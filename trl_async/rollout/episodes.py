@@ -117,7 +117,7 @@ class Episode:
         return self.prompt_ids + self.completion_ids
 
     def add_turn(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int], parsed: dict,
-                 worker_id: int) -> None:  # fmt: skip
+                 lane_id: int) -> None:  # fmt: skip
         """Append a sampled turn (already within the budget) and its parsed message (``{}``: nothing to add)."""
         self.completion_ids += ids
         self.logprobs += logprobs
@@ -125,7 +125,7 @@ class Episode:
         self.tool_mask += [1] * len(ids)
         if parsed:
             self.messages.append(parsed)
-        self.turns.append({"versions": sorted(set(versions)), "tokens": len(ids), "worker_id": worker_id})
+        self.turns.append({"versions": sorted(set(versions)), "tokens": len(ids), "worker_id": lane_id})
 
     def pending_calls(self, parsed: dict, max_rounds: int) -> list[dict]:
         """The tool calls the last turn asks for, if another round is allowed."""
@@ -357,7 +357,7 @@ class EpisodeRunner:
             first = not episode.turns
             tools = self.tools if episode.schema_tools is None else episode.schema_tools
             parsed = self._parse(list(ids), episode, tools) if (ids or first) else {}
-            episode.add_turn(ids, logprobs, versions, parsed, turn.worker_id)
+            episode.add_turn(ids, logprobs, versions, parsed, turn.lane_id)
             calls = episode.pending_calls(parsed, self.max_rounds)
             if calls and episode.timed_out and group.instances:
                 # an earlier call of this episode timed out and may still be running on the episode's environment:

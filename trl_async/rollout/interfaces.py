@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 class Lane(Protocol):
     """One generator: a worker process, or a vLLM server. It holds what it was handed until it returns it."""
 
-    worker_id: int
+    lane_id: int
     outstanding: dict[tuple, RolloutTask]  # every task handed to it and not yet returned, in dispatch order
     max_outstanding: int  # groups it may hold at once (0: it takes no work, e.g. a lost server)
     results: queue.Queue  # what it sends back: groups, adopted weights, failures, heartbeats

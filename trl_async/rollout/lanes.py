@@ -19,13 +19,17 @@ from multiprocessing.connection import wait as wait_for_messages
 
 from transformers.utils import logging
 
-from ..records import RolloutGroup, RolloutTask, WeightsAdopted, WorkerFailed, WorkerReady
+from ..records import LaneFailed, RolloutGroup, RolloutTask, WeightsAdopted, WorkerReady
 
 logger = logging.get_logger(__name__)
 
 
-class RolloutWorkerError(RuntimeError):
-    """A rollout worker died, failed or sent weights that differ from what the trainer published."""
+class RolloutLaneError(RuntimeError):
+    """A lane (a rollout lane, or a vLLM server) died, failed, or reports weights that differ from what the trainer
+    published."""
+
+
+RolloutWorkerError = RolloutLaneError  # the earlier name
 
 
 class Lanes:
@@ -37,11 +41,11 @@ class Lanes:
         the lock held): what a lost lane held; ``fail``: the pool fails with this error."""
         self.backend, self.settings, self._cv, self.activity = backend, settings, cv, activity
         self._deliver, self._requeue, self._fail = deliver, requeue, fail
-        self.workers = [backend.start_lane(i) for i in range(len(backend.specs))]
-        self.worker_versions: dict[int, int] = {}
-        self.worker_restarts = 0
-        self.lost_workers: list[str] = []  # why each lost worker was lost
-        self.placement: dict[int, tuple[tuple[int, ...], int]] = {}  # worker id -> (its cores, torch threads)
+        self.current = [backend.start_lane(i) for i in range(len(backend.specs))]  # a lost lane's replacement
+        self.lane_versions: dict[int, int] = {}  # lane id -> the version it reported adopting last
+        self.lane_restarts = 0
+        self.lost_lanes: list[str] = []  # why each lost lane was lost
+        self.placement: dict[int, tuple[tuple[int, ...], int]] = {}  # worker process -> (its cores, torch threads)
         self.verified_adoptions = 0
         self._expected_digests: dict[int, str] = {}
         self._last_call: dict[int, float] = {}
@@ -54,15 +58,15 @@ class Lanes:
 
     def poll(self, stopped: Callable[[], bool]) -> None:
         """One round of the collector: handle waiting messages (up to 0.1 s), then check every lane's health."""
-        by_conn = {w.results: w for w in self.workers}
+        by_conn = {w.results: w for w in self.current}
         for conn in wait_for_messages(list(by_conn), timeout=0.1):
             self._drain(by_conn[conn])
         now = time.time()
-        for i, w in enumerate(self.workers):
+        for i, w in enumerate(self.current):
             if stopped():
                 return
             if not w.is_alive():
-                self._drain(w)  # a WorkerFailed report raises here, before any restart
+                self._drain(w)  # a LaneFailed report raises here, before any restart
                 self._replace(i, w.exit_reason())
             elif w.silent_for(now) > self.settings.heartbeat_timeout_s:
                 silent = w.silent_for(now)
@@ -75,58 +79,58 @@ class Lanes:
         """Stop every lane; each worker process is joined: an idle one exits, one holding groups is killed at once,
         a slow one after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        for w in self.workers:  # a worker holding groups is mid-call, and what it would still send goes unused
+        for w in self.current:  # a worker holding groups is mid-call, and what it would still send goes unused
             w.stop(0.0 if w.outstanding else max(0.0, deadline - time.monotonic()))
 
-    def _drain(self, worker) -> None:
+    def _drain(self, lane) -> None:
         """Handle every message waiting in a lane's pipe (an exited worker's last words included)."""
         try:
-            while worker.results.poll():
-                self._handle(worker, worker.results.recv())
+            while lane.results.poll():
+                self._handle(lane, lane.results.recv())
         except (EOFError, OSError):  # it exited or died; the health check deals with it
             pass
 
-    def _handle(self, worker, msg) -> None:
+    def _handle(self, lane, msg) -> None:
         if isinstance(msg, RolloutGroup):
             with self._cv:
-                task = worker.outstanding.pop(msg.key, None)
+                task = lane.outstanding.pop(msg.key, None)
                 self._cv.notify_all()  # the lane has room again (the dispatcher may send a queued later turn)
                 if task is None:
                     return  # not (or no longer) ours: already regenerated elsewhere
-            if self._last_call.get(msg.worker_id) != msg.generate_started_at:  # one entry per call, not group
-                self._last_call[msg.worker_id] = msg.generate_started_at
+            if self._last_call.get(msg.lane_id) != msg.generate_started_at:  # one entry per call, not group
+                self._last_call[msg.lane_id] = msg.generate_started_at
                 end = msg.generate_started_at + msg.generate_s
-                self.activity.append(("generate", msg.worker_id, msg.generate_started_at, end))
+                self.activity.append(("generate", msg.lane_id, msg.generate_started_at, end))
             self._deliver(msg, task)
         elif isinstance(msg, WeightsAdopted):
             self._on_adopted(msg)
-        elif isinstance(msg, WorkerFailed):
-            raise RolloutWorkerError(f"rollout worker {msg.worker_id} failed:\n{msg.error}")
+        elif isinstance(msg, LaneFailed):
+            raise RolloutLaneError(f"{lane.describe()} failed:\n{msg.error}")
         elif isinstance(msg, WorkerReady):
-            self.placement[msg.worker_id] = (msg.cores, msg.torch_threads)
+            self.placement[msg.lane_id] = (msg.cores, msg.torch_threads)
 
     def _replace(self, i: int, why: str) -> None:
         """A lane is lost: what it held goes back to the pool, and it is restarted with the newest weights, or the
         pool fails once ``max_restarts`` is used up."""
-        lost = self.workers[i]
+        lost = self.current[i]
         lost.kill()
         with self._cv:
             held = list(lost.outstanding.values())
             self._requeue([t for t in held if not t.rows], [t for t in held if t.rows])
             lost.outstanding.clear()
             what = f"{lost.describe()} {why}"
-            self.lost_workers.append(what)
+            self.lost_lanes.append(what)
             if not self.backend.restartable:
-                self._fail(RolloutWorkerError(f"{what}; it cannot be restarted from here"))
+                self._fail(RolloutLaneError(f"{what}; it cannot be restarted from here"))
                 return
             if lost.restarts >= self.settings.max_restarts:
-                self._fail(RolloutWorkerError(
+                self._fail(RolloutLaneError(
                     f"{what}; it was already restarted {lost.restarts} time(s) (rollout_max_restarts="
                     f"{self.settings.max_restarts})"
                 ))  # fmt: skip
                 return
-            self.workers[i] = self.backend.start_lane(i, restarts=lost.restarts + 1)
-            self.worker_restarts += 1
+            self.current[i] = self.backend.start_lane(i, restarts=lost.restarts + 1)
+            self.lane_restarts += 1
             self._cv.notify_all()
         logger.warning(
             "%s; %s, %d group(s) it held will be generated again", what, self.backend.restart_note, len(held)
@@ -134,12 +138,12 @@ class Lanes:
 
     def _on_adopted(self, msg: WeightsAdopted) -> None:
         with self._cv:
-            self.worker_versions[msg.worker_id] = msg.version
+            self.lane_versions[msg.lane_id] = msg.version
         if msg.digest is not None:
             expected = self._expected_digests.get(msg.version)
             if expected != msg.digest:
-                raise RolloutWorkerError(
-                    f"rollout worker {msg.worker_id} holds weights for version {msg.version} that differ from the "
+                raise RolloutLaneError(
+                    f"lane {msg.lane_id} holds weights for version {msg.version} that differ from the "
                     "weights the trainer published (digest mismatch)"
                 )
             self.verified_adoptions += 1

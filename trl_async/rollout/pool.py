@@ -29,7 +29,7 @@ from ..records import RolloutGroup, RolloutTask
 from ..weights.shared_memory import Digest
 from .admission import AdmissionLedger
 from .consumption import next_ready
-from .lanes import Lanes, RolloutWorkerError  # noqa: F401 - RolloutWorkerError: raised to the trainer
+from .lanes import Lanes, RolloutLaneError, RolloutWorkerError  # noqa: F401 - raised to the trainer
 from .prompts import PromptStream
 from .scored import ScoredGroup, TakeStats, TakeTally
 from .staleness import staleness
@@ -183,10 +183,10 @@ class RolloutPool:
                     raise TimeoutError(
                         f"waited {self.settings.timeout_s:.0f}s (rollout_timeout_s) for {n - len(taken)} more rollout "
                         f"groups at trainer version {consumer_version}; published version {self._ledger.published}, "
-                        f"admitted {self._ledger.admitted}, consumed {self._ledger.consumed}, filtered {self.filtered_groups} "
-                        f"(dynamic_sampling), worker versions "
-                        f"{self.worker_versions}, workers alive {[w.is_alive() for w in self.lanes.workers]}, taking "
-                        f"work {[w.max_outstanding > 0 for w in self.lanes.workers]}, ready {len(self._ready)} "
+                        f"admitted {self._ledger.admitted}, consumed {self._ledger.consumed}, filtered "
+                        f"{self.filtered_groups} (dynamic_sampling); the lanes (workers or servers): versions "
+                        f"{self.lane_versions}, alive {[w.is_alive() for w in self.lanes.current]}, taking work "
+                        f"{[w.max_outstanding > 0 for w in self.lanes.current]}; ready {len(self._ready)} "
                         f"(rollout_consumption_window={self.settings.consumption_window}); {self._scoring_state()}"
                     )
                 self._cv.wait(timeout=0.2)
@@ -201,7 +201,7 @@ class RolloutPool:
                 wait_s=now - start,
                 dropped_samples_total=self.dropped_samples,
                 filtered_groups_total=self.filtered_groups if self._keep is not None else None,
-                lanes_healthy=sum(w.is_alive() and w.max_outstanding > 0 for w in self.lanes.workers),
+                lanes_healthy=sum(w.is_alive() and w.max_outstanding > 0 for w in self.lanes.current),
             )
         self.activity.append(("wait", -1, started_at, started_at + (now - start)))
         return taken, stats
@@ -264,17 +264,17 @@ class RolloutPool:
     @property
     def processes(self) -> list:
         """The current worker processes (a restarted worker's new process replaces the lost one)."""
-        return [w.process for w in self.lanes.workers]
+        return [w.process for w in self.lanes.current]
 
-    def outstanding(self, worker_id: int) -> list[RolloutTask]:
-        """Groups handed to a worker and not yet returned (for tests and diagnostics)."""
+    def outstanding(self, lane_id: int) -> list[RolloutTask]:
+        """Groups handed to a lane and not yet returned (for diagnostics)."""
         with self._cv:
-            return list(self.lanes.workers[worker_id].outstanding.values())
+            return list(self.lanes.current[lane_id].outstanding.values())
 
     # what the lanes observed (lanes.py)
-    worker_versions = property(lambda self: self.lanes.worker_versions)
-    worker_restarts = property(lambda self: self.lanes.worker_restarts)
-    lost_workers = property(lambda self: self.lanes.lost_workers)
+    lane_versions = property(lambda self: self.lanes.lane_versions)
+    lane_restarts = property(lambda self: self.lanes.lane_restarts)
+    lost_lanes = property(lambda self: self.lanes.lost_lanes)
     verified_adoptions = property(lambda self: self.lanes.verified_adoptions)
     published_version = property(
         lambda self: self._ledger.published
@@ -332,7 +332,7 @@ class RolloutPool:
         chunks = itertools.count()
 
         def free_worker():
-            room = [w for w in self.lanes.workers if load(w) + per_call <= w.max_outstanding]
+            room = [w for w in self.lanes.current if load(w) + per_call <= w.max_outstanding]
             return min(room, key=lambda w: (load(w), handed.get(id(w), -1))) if room else None
 
         while True:
@@ -461,7 +461,7 @@ class RolloutPool:
                     del self._scoring[group.group_id]
                 if environments is not None:
                     self._episodes.release(group.group_id)
-            self.activity.append(("score", group.worker_id, started, time.time()))
+            self.activity.append(("score", group.lane_id, started, time.time()))
             with self._cv:
                 self._abandoned_in_a_row = 0
                 self._tally.tokens += group.num_sampled_tokens

@@ -94,7 +94,7 @@ def _per_row(name: str, values, n: int) -> list:
 
 
 def build_group(task: RolloutTask, output: dict, call: _Call, num_generations: int, newest_version: int | None = None,
-                worker_id: int = -1) -> RolloutGroup:  # fmt: skip
+                lane_id: int = -1) -> RolloutGroup:  # fmt: skip
     """The ``RolloutGroup`` of one ``rollout_func`` output (validated; versions resolved as the module says).
     ``newest_version``: the trainer's version now; a reported version past it cannot be true."""
     if not isinstance(output, dict):
@@ -139,7 +139,7 @@ def build_group(task: RolloutTask, output: dict, call: _Call, num_generations: i
         completion_ids=tuple(completions),
         logprobs=tuple(logprobs),
         versions=versions,
-        worker_id=worker_id,
+        lane_id=lane_id,
         generate_s=0.0,
         tool_mask=mask,
         row_prompt_ids=tuple(prompt_ids),

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ...records import RolloutGroup, RolloutTask, WeightsAdopted, WorkerFailed, WorkerReady
+from ...records import LaneFailed, RolloutGroup, RolloutTask, WeightsAdopted, WorkerReady
 from ...sampling import processors, settings_of
 from ...weights.lora import LoraMerge, merge_adapters
 from ...weights.shared_memory import SharedMemoryWeights, weights_digest
@@ -123,7 +123,7 @@ def generate_groups(
     pad_token_id: int,
     current_version: Callable[[], int],
     between_steps: Callable[[], None] | None = None,
-    worker_id: int = 0,
+    lane_id: int = 0,
 ) -> list[RolloutGroup]:
     """Generate ``num_generations`` completions for each task in one ``generate`` call (or, for a later turn of
     multi-turn episodes, one completion per context of the task, at most its ``max_new_tokens``).
@@ -207,7 +207,7 @@ def generate_groups(
                 completion_ids=tuple(completions[span]),
                 logprobs=tuple(logps[span]),
                 versions=tuple(versions[span]),
-                worker_id=worker_id,
+                lane_id=lane_id,
                 generate_s=elapsed,
                 generate_started_at=started_at,
                 rows=task.rows,
@@ -266,7 +266,7 @@ def worker_main(
 ) -> None:
     """Process entry point. ``tasks``/``results`` are this worker's own pipe ends (a killed worker cannot corrupt
     another worker's channel); ``heartbeat`` is a shared double it refreshes every ``HEARTBEAT_INTERVAL_S``. Stops on
-    a ``None`` task; reports any exception as ``WorkerFailed`` and exits. With adapter-only LoRA sync, ``base`` holds
+    a ``None`` task; reports any exception as ``LaneFailed`` and exits. With adapter-only LoRA sync, ``base`` holds
     the frozen weights (published once) and ``weights`` each version's adapter factors, which the worker merges."""
     try:
         if spec.cpu_affinity:  # before any thread starts: threads inherit the calling thread's cores (and nice)
@@ -328,11 +328,11 @@ def worker_main(
                 spec.pad_token_id,
                 current_version=lambda: state["version"],
                 between_steps=in_flight,
-                worker_id=spec.worker_id,
+                lane_id=spec.worker_id,
             ):
                 results.send(group)
     except (EOFError, BrokenPipeError):
         return  # the trainer closed our pipe: it is shutting down or has given up on us
     except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
         with contextlib.suppress(Exception):
-            results.send(WorkerFailed(spec.worker_id, traceback.format_exc()))
+            results.send(LaneFailed(spec.worker_id, traceback.format_exc()))

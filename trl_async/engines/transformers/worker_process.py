@@ -25,7 +25,9 @@ from ..held import HoldsTasks
 from .worker import WorkerSpec, worker_main
 
 STARTUP_GRACE_S = 120.0
-_CLOSED = object()  # a worker's sender thread: stop  # a starting worker imports torch and builds its model before its first heartbeat
+_CLOSED = (
+    object()
+)  # a worker's sender thread: stop  # a starting worker imports torch and builds its model before its first heartbeat
 
 
 @contextlib.contextmanager
@@ -98,7 +100,7 @@ class WorkerProcess(HoldsTasks):
         return cls(spec, process, task_send, result_recv, heartbeat, restarts, max_outstanding=max_outstanding)
 
     @property
-    def worker_id(self) -> int:
+    def lane_id(self) -> int:
         return self.spec.worker_id
 
     def is_alive(self) -> bool:
@@ -108,7 +110,7 @@ class WorkerProcess(HoldsTasks):
         return f"exited with code {self.process.exitcode}"
 
     def describe(self) -> str:
-        return f"rollout worker {self.worker_id} (pid {self.process.pid})"
+        return f"rollout worker {self.lane_id} (pid {self.process.pid})"
 
     def silent_for(self, now: float) -> float:
         """Seconds since the last heartbeat (negative during the start-up grace)."""
@@ -189,7 +191,9 @@ def prestart_worker_server(model=None) -> None:
     (``worker_context``). No-op where workers are spawned or the forkserver already runs."""
     from multiprocessing import forkserver
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: the class workers build
+    base = (
+        model.get_base_model() if hasattr(model, "get_base_model") else model
+    )  # a peft model: the class workers build
     ctx = worker_context(type(base).__module__ if isinstance(base, torch.nn.Module) else None)
     if ctx.get_start_method() != "forkserver":
         return

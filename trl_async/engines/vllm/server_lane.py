@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing import Pipe
 
-from ...records import RolloutGroup, RolloutTask, WeightsAdopted, WorkerFailed
+from ...records import LaneFailed, RolloutGroup, RolloutTask, WeightsAdopted
 from ..held import HoldsTasks
 from .adapters import ServedAdapters
 from .client import VLLMServer, VLLMServerError
@@ -29,7 +29,7 @@ HEALTH_INTERVAL_S = 0.5
 
 @dataclass(frozen=True)
 class VLLMLaneSpec:
-    worker_id: int
+    lane_id: int
     url: str
     sampling_params: dict  # vLLM SamplingParams fields shared by every request (n, temperature, max_tokens, ...)
     eos_token_ids: tuple[int, ...]
@@ -76,14 +76,12 @@ class VLLMLane(HoldsTasks):
         self._turn_slots = threading.BoundedSemaphore(self.spec.max_requests)  # requests of multi-context tasks
         # daemon threads: a request stuck on a hung server must not keep the interpreter from exiting
         for i in range(self.spec.max_requests):
-            threading.Thread(
-                target=self._request_loop, name=f"trl_async-vllm{self.worker_id}-{i}", daemon=True
-            ).start()
-        threading.Thread(target=self._health_loop, name=f"trl_async-vllm{self.worker_id}-health", daemon=True).start()
+            threading.Thread(target=self._request_loop, name=f"trl_async-vllm{self.lane_id}-{i}", daemon=True).start()
+        threading.Thread(target=self._health_loop, name=f"trl_async-vllm{self.lane_id}-health", daemon=True).start()
 
     @property
-    def worker_id(self) -> int:
-        return self.spec.worker_id
+    def lane_id(self) -> int:
+        return self.spec.lane_id
 
     # ---- the pool's view (HoldsTasks) --------------------------------------------------------------------------
     def transmit(self, chunk: list[RolloutTask]) -> None:
@@ -114,7 +112,7 @@ class VLLMLane(HoldsTasks):
 
     def adopted(self, version: int) -> None:
         """The server now generates with ``version`` (called after a push)."""
-        self._post(WeightsAdopted(self.worker_id, version, None))
+        self._post(WeightsAdopted(self.lane_id, version, None))
 
     def stop(self, timeout_s: float = 0.0) -> None:
         self.kill()
@@ -143,7 +141,7 @@ class VLLMLane(HoldsTasks):
             if not self.attached:
                 problem = self.returning.watch(healthy, self.server.server_info, time.time())
                 if problem is not None:
-                    self._post(WorkerFailed(self.worker_id, problem))
+                    self._post(LaneFailed(self.lane_id, problem))
                     return
 
     def _request_loop(self) -> None:
@@ -160,7 +158,7 @@ class VLLMLane(HoldsTasks):
                     # generated elsewhere; reattach.py waits for the server)
                     self._gave_up = True
                     continue
-                self._post(WorkerFailed(self.worker_id, f"vLLM server {self.spec.url}: {exc}"))
+                self._post(LaneFailed(self.lane_id, f"vLLM server {self.spec.url}: {exc}"))
 
     def _request(self, prompt_ids, params: dict) -> list:
         """One generate request, watched by this lane: abandoned when the lane stops, or when its health thread has
@@ -194,7 +192,7 @@ class VLLMLane(HoldsTasks):
             completion_ids=tuple(c.token_ids[:n] for c, n in zip(completions, kept, strict=True)),
             logprobs=tuple(c.logprobs[:n] for c, n in zip(completions, kept, strict=True)),
             versions=tuple(c.versions[:n] for c, n in zip(completions, kept, strict=True)),
-            worker_id=self.worker_id,
+            lane_id=self.lane_id,
             generate_s=elapsed,
             generate_started_at=started_at,
             rows=task.rows,
@@ -244,7 +242,7 @@ class VLLMLane(HoldsTasks):
                 except Exception as exc:  # noqa: BLE001 - raised below, on the lane's thread
                     errors.append(exc)
 
-        threads = [threading.Thread(target=run, args=(i,), name=f"trl_async-vllm{self.worker_id}-turn", daemon=True)
+        threads = [threading.Thread(target=run, args=(i,), name=f"trl_async-vllm{self.lane_id}-turn", daemon=True)
                    for i in range(len(requests))]  # fmt: skip
         for t in threads:
             t.start()
