@@ -7,7 +7,7 @@
 #   colocate        one process with vllm_mode='colocate': the trainer starts, uses and stops its own server
 # Servers start once and are reused (a start costs about a minute): a new trainer opens a new NCCL group with the
 # server it finds. ZeRO-3 runs with one rank (NCCL refuses two ranks on one device): the gather code path, not the
-# cross-rank traffic, which tests/test_distributed.py covers on CPU.
+# cross-rank traffic, which tests/distributed/test_distributed.py covers on CPU.
 # Needs, in the current Python environment: trl_async, a CUDA build of torch, TRL, DeepSpeed and `vllm`.
 # Usage: bash benchmarks/gpu_check.sh [OUT_DIR]   -> OUT_DIR/gpu_check.json (every verdict), exit status 0 when every
 # check passed. GPU_CHECK_CONFIGS (default "trl_serve zero3_reattach zero3_offload colocate") chooses which run, in

@@ -146,7 +146,7 @@ def vllm_server_to_kill(request):
 
 @pytest.fixture
 def vllm_server_to_restart(request):
-    """Another server of its own, for the test that kills it and restarts it on its port (tests/test_vllm_reattach.py)."""
+    """Another server of its own, for the test that kills it and restarts it on its port (tests/vllm/test_vllm_reattach.py)."""
     server = _prepared(request, "vllm_server_to_restart")
     yield server
     server.stop()
@@ -155,7 +155,7 @@ def vllm_server_to_restart(request):
 @pytest.fixture
 def vllm_lone_server(request):
     """A server of its own, started as TRL's `trl vllm-serve` starts it, killed and restarted as the only server of a
-    run (tests/test_vllm_reattach.py)."""
+    run (tests/vllm/test_vllm_reattach.py)."""
     server = _prepared(request, "vllm_lone_server")
     yield server
     server.stop()
@@ -163,7 +163,7 @@ def vllm_lone_server(request):
 
 @pytest.fixture
 def vllm_server_to_heal(request):
-    """A server of its own, killed and restarted at chosen moments (tests/test_vllm_self_healing.py)."""
+    """A server of its own, killed and restarted at chosen moments (tests/vllm/test_vllm_self_healing.py)."""
     server = _prepared(request, "vllm_server_to_heal")
     yield server
     server.stop()
@@ -171,7 +171,7 @@ def vllm_server_to_heal(request):
 
 @pytest.fixture
 def vllm_pair_to_heal(request):
-    """Two servers of their own, each killed and restarted once (tests/test_vllm_self_healing.py)."""
+    """Two servers of their own, each killed and restarted once (tests/vllm/test_vllm_self_healing.py)."""
     pair = (_prepared(request, "vllm_pair_to_heal_a"), _prepared(request, "vllm_pair_to_heal_b"))
     yield pair
     for server in pair:

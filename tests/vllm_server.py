@@ -173,7 +173,7 @@ class Prestart:
             return str(path)
         flags = ["--skip-tokenizer-init"] if name == "vllm_tool_server" else []  # requests carry token ids
         trl_style = name == "vllm_lone_server"  # started as `trl vllm-serve` starts it
-        if name == "vllm_server":  # LoRA adapters of rank 8 at most, three at once (tests/test_vllm_lora.py)
+        if name == "vllm_server":  # LoRA adapters of rank 8 at most, three at once (tests/vllm/test_vllm_lora.py)
             flags = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "3"]
         model_dir = self.get(_NEEDS[name])
         if self._closed:

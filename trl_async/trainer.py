@@ -338,7 +338,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
         # prompt_ids are the pool's own (_tokenize_prompts below), rendered as GRPOTrainer renders them
-        # (tests/test_prompt_rows.py checks that rendering against GRPOTrainer._tokenize_prompts)
+        # (tests/integration/test_prompt_rows.py checks that rendering against GRPOTrainer._tokenize_prompts)
         completion_ids = [list(g.group.completion_ids[j]) for g, j in self._consuming]
         logprobs = [list(g.group.logprobs[j]) for g, j in self._consuming]
         return completion_ids, logprobs  # with tools, whole episodes: _tool_call_loop below returns them as they are

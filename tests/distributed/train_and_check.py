@@ -1,4 +1,4 @@
-"""Run by tests/test_distributed.py under `accelerate launch` (2 processes, gloo): trains a few async steps, then
+"""Run by tests/distributed/test_distributed.py under `accelerate launch` (2 processes, gloo): trains a few async steps, then
 compares the workers' weights (the last published version) with the consolidated trainer weights."""
 
 import argparse

@@ -1,0 +1,161 @@
+"""Real 2-process training under `accelerate launch` on CPU (gloo): DDP, DeepSpeed ZeRO-2, ZeRO-3, ZeRO-3 + LoRA.
+
+After training, the workers' weights (the last published version, which is the final trainer state since weights
+are published after every step) must equal the consolidated trainer weights exactly (LoRA: equal to peft's own merge
+of the consolidated weights, up to float rounding of the merge), every adoption must have hashed equal to what the
+trainer published, the staleness bound must hold and no worker may survive. The first DeepSpeed launch on a fresh
+machine compiles a C++ op (~2 min, cached in ~/.cache/torch_extensions).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from trl_async.engines.vllm.client import VLLMServer
+
+ROOT = Path(__file__).resolve().parents[2]
+# every launched process (ranks and their rollout workers) dumps each thread's Python stack on a fatal signal
+# (SIGSEGV, SIGABRT, ...): a native abort leaves more than its exit code (train_and_check.py adds the C++ stack)
+LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+
+
+@pytest.mark.parametrize(
+    "config,extra",
+    [("ddp", ["--use_cpu"]), ("zero2", []), ("zero3", []), ("zero3", ["--peft"]), ("zero3_offload", [])],
+    ids=["ddp", "zero2", "zero3", "zero3-lora", "zero3-offload"],
+)
+def test_two_process_training_syncs_exact_weights(tmp_path, tiny_model_dir, config, extra):
+    out = tmp_path / "result.json"
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / f"recipes/accelerate/{config}.yaml"),
+        str(ROOT / "tests/distributed/train_and_check.py"), "--model", tiny_model_dir, "--out", str(out), *extra,
+    ]  # fmt: skip
+    env = {**os.environ, **LAUNCH_ENV}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-20000:]  # a native abort: room for its stacks
+    result = json.loads(out.read_text())
+    assert result["num_processes"] == 2 and result["steps"] == 3
+    assert result["zero_stage"] == {"ddp": 0, "zero2": 2, "zero3": 3, "zero3_offload": 3}[config]
+    assert result["mismatches"] == []
+    assert all("inv_freq" in name for name in result["not_compared"])  # non-persistent buffers only
+    assert result["compared"] == result["expected"] - len(result["not_compared"]) >= 20
+    assert result["verified_adoptions"] >= 2 and result["max_staleness_seen"] <= 1
+    assert result["workers_alive"] == [False]
+    # the correction's statistics are global, as GRPOTrainer's metrics are: each rank's own batch differs, and both
+    # ranks log the same gathered values
+    is_logs = [json.loads((tmp_path / f"result.json.is.rank{r}").read_text()) for r in (0, 1)]
+    assert len(is_logs[0]) == 3 and "is/kl_behaviour" in is_logs[0][0] and is_logs[0] == is_logs[1]
+    if "--peft" in extra:  # adapter-only sync: each version carries the q/v adapters of the 2 layers and their scales
+        assert result["adapter_only"]
+        assert len(result["per_version"]) == 2 * 2 * 2 + 1 and all(
+            ".lora_A." in n or ".lora_B." in n or n == "lora_scales" for n in result["per_version"]
+        ), result["per_version"]
+    # every rank trains on one whole group of each step's global batch (2 groups), and its advantages are
+    # GRPOTrainer's group-normalised rewards, (r - mean) / (std + 1e-4), worked out here from the logged rewards
+    traj = {
+        r: [json.loads(x) for x in (tmp_path / "run" / f"traj.jsonl.rank{r}").read_text().splitlines()] for r in (0, 1)
+    }
+    for step in range(3):
+        rows = {r: [x for x in traj[r] if x["step"] == step] for r in (0, 1)}
+        groups = {r: {x["group_id"] for x in rows[r]} for r in (0, 1)}
+        assert len(rows[0]) == len(rows[1]) == 4 and len(groups[0]) == len(groups[1]) == 1 and groups[0] != groups[1]
+        for r in (0, 1):
+            rewards = torch.tensor([x["rewards"]["reward"] for x in rows[r]])
+            expected = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+            assert torch.allclose(torch.tensor([x["advantage"] for x in rows[r]]), expected, atol=1e-4)
+
+
+def test_zero3_trainer_pushes_its_gathered_weights_to_a_vllm_server(tmp_path, vllm_model_dir, vllm_server):
+    """2-process ZeRO-3 (every parameter sharded) generating on a real vLLM CPU server: both ranks stream the buckets in
+    lock-step, rank 0 pushes each one over gloo before the next gather; after training the server's greedy output is
+    the consolidated model's, and every token trained on was tagged by the server with a version within the bound."""
+    out = tmp_path / "result.json"
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/accelerate/zero3.yaml"),
+        str(ROOT / "tests/distributed/train_and_check.py"), "--model", vllm_model_dir, "--out", str(out),
+        "--vllm_url", vllm_server.url,
+    ]  # fmt: skip
+    env = {**os.environ, **LAUNCH_ENV}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-20000:]  # a native abort: room for its stacks
+    result = json.loads(out.read_text())
+    assert result["num_processes"] == 2 and result["zero_stage"] == 3 and result["steps"] == 3
+    assert result["server_version"] == {"0": 3} and result["max_staleness_seen"] <= 1
+    model = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
+    model.load_state_dict(torch.load(tmp_path / "final.pt"))  # strict: the consolidated trainer weights, all of them
+    server = VLLMServer(vllm_server.url)
+    for prompt in ([5, 6, 7, 8, 9], [20, 3, 11]):
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None)
+        got = server.generate(
+            prompt, {"n": 1, "max_tokens": 12, "temperature": 0.0, "logprobs": 0, "ignore_eos": True}
+        )
+        assert list(got[0].token_ids) == expected[0, len(prompt) :].tolist()
+    for r in (0, 1):
+        for row in map(json.loads, (tmp_path / "run" / f"traj.jsonl.rank{r}").read_text().splitlines()):
+            assert row["versions"] and all(row["step"] - 1 <= v <= row["step"] for v in row["versions"])
+
+
+def test_a_reward_model_under_zero3_scores_on_rank_0_without_the_other_rank(tmp_path, tiny_model_dir):
+    """GRPOTrainer shards reward models with DeepSpeed at stage 3, so their forward is a collective; our scorer runs
+    on rank 0's background thread, where the other rank never joins. Rank 0 keeps an unsharded copy for scoring: the
+    run finishes, and every recorded score equals the reward model's own output on that text."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    rm_dir = tmp_path / "rm"
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(rm_dir)
+    tokenizer.save_pretrained(rm_dir)
+    out = tmp_path / "result.json"
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/accelerate/zero3.yaml"),
+        str(ROOT / "tests/distributed/train_and_check.py"), "--model", tiny_model_dir, "--out", str(out),
+        "--reward_model", str(rm_dir),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **LAUNCH_ENV}, start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired as exc:
+        import psutil  # torchrun starts each rank in its own session: kill the whole tree, then the pipes close
+
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError("ZeRO-3 training with a reward model hung (300 s)") from exc
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-20000:]
+    assert json.loads(out.read_text())["zero_stage"] == 3
+    rm = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
+    rows = [json.loads(x) for r in (0, 1) for x in (tmp_path / "run" / f"traj.jsonl.rank{r}").read_text().splitlines()]
+    assert len(rows) == 3 * 8
+    for row in rows:
+        ids = tokenizer(row["prompt"] + row["completion"], return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            expected = rm(**ids).logits[0, 0].item()
+        assert row["rewards"]["rm"] == pytest.approx(expected, abs=1e-4)
+
+
+def test_a_rank_that_stops_arriving_is_named_not_waited_for_forever(tmp_path, tiny_model_dir):
+    out = tmp_path / "result.json"
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/accelerate/ddp.yaml"),
+        str(ROOT / "tests/distributed/train_and_check.py"), "--model", tiny_model_dir, "--out", str(out), "--use_cpu",
+        "--stall_rank1", "300",
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONFAULTHANDLER": "1"}
+    )
+    assert proc.returncode != 0  # failed well before rank 1 woke up (300 s) and before the 300 s test timeout
+    error = json.loads(out.read_text())["error"]
+    assert "not every rank reached the next rollout batch" in error and "Ranks 1 failed" in error

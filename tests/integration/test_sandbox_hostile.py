@@ -1,0 +1,413 @@
+"""Hostile programs in the sandbox: each is contained, the result says why, nothing is left running, the planted
+secret never shows, and no file outside the sandbox changes."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from trl_async.sandbox import Limits, Sandbox
+from trl_async.sandbox.runner import MAX_CONCURRENCY, UID_BASE
+
+PROJECT = Path(__file__).resolve().parents[2]
+SECRET_NAME = "TRL_ASYNC_PLANTED_SECRET"
+LIMITS = Limits(wall_s=4, cpu_s=2, memory_mib=256, processes=16, output_bytes=4096, file_mib=4, disk_mib=16)
+
+
+def sandbox_processes() -> list[str]:
+    """Every process on the machine owned by a sandbox uid."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            uid = os.stat(f"/proc/{entry}").st_uid
+        except FileNotFoundError:
+            continue
+        if UID_BASE <= uid < UID_BASE + MAX_CONCURRENCY * (1 << 16):
+            found.append(entry)  # zombies included: the launcher reaps everything it killed before it reports
+    return found
+
+
+def processes_named(marker: str) -> list[str]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and marker in Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace"):
+                found.append(entry)
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return found
+
+
+def plant_key(secret: str) -> None:
+    """The secret also as a key in this process's session keyring (where credentials such as Kerberos tickets
+    live), when the kernel lets this process add one."""
+    import ctypes
+
+    if os.uname().machine == "x86_64":  # add_key(2)
+        ctypes.CDLL(None).syscall(248, b"user", b"trl_async_planted", secret.encode(), len(secret), ctypes.c_int(-3))
+
+
+def snapshot(folder: Path) -> dict:
+    return {str(p): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def world(tmp_path, monkeypatch):
+    """What a program might attack: a secret in the trainer's environment, a folder of the trainer's files, a
+    listener on loopback and a process of the trainer's."""
+    secret = "planted-" + uuid.uuid4().hex
+    monkeypatch.setenv(SECRET_NAME, secret)
+    guarded = tmp_path / "trainer_files"
+    guarded.mkdir()
+    (guarded / "precious.txt").write_text("keep me")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    listener.settimeout(0.2)
+    victim = subprocess.Popen(["sleep", "600"])
+    plant_key(secret)
+    world = dict(
+        secret=secret,
+        guarded=guarded,
+        port=listener.getsockname()[1],
+        victim=victim.pid,
+        marker=f"4242.{uuid.uuid4().int % 10**6}",
+        before=snapshot(guarded),
+        listener=listener,
+    )
+    yield world
+    victim.kill()
+    victim.wait()
+    listener.close()
+
+
+CASES = {
+    "loops_forever": "while True:\n    pass\n",
+    "fork_bomb": "import os\nwhile True:\n    os.fork()\n",
+    "allocates_until_killed": "blocks = []\nwhile True:\n    blocks.append(bytearray(1 << 24))\n",
+    "fills_the_disk": (
+        "import itertools\n"
+        "for i in itertools.count():\n"
+        "    with open(f'fill{{i}}', 'wb') as f:\n"
+        "        f.write(b'0' * (2 << 20))\n"
+    ),
+    "writes_outside": (
+        "import os\n"
+        "done = []\n"
+        "for path in ['{guarded}/precious.txt', '{guarded}/new.txt', '/etc/passwd', '/usr/pwned', '/pwned',\n"
+        "             '{project}/pwned.txt', '/root/pwned', '/dev/shm/../pwned']:\n"
+        "    try:\n"
+        "        with open(path, 'a') as f:\n"
+        "            f.write('pwned')\n"
+        "        done.append(path)\n"
+        "    except OSError as exc:\n"
+        "        print('refused', path, type(exc).__name__)\n"
+        "print('WROTE', done)\n"
+    ),
+    "reads_environment": (
+        "import os, glob\n"
+        "print(dict(os.environ))\n"
+        "for path in ['/proc/self/environ', '/proc/1/environ', '/proc/{trainer}/environ'] + glob.glob('/proc/*/environ'):\n"
+        "    try:\n"
+        "        print(open(path, 'rb').read())\n"
+        "    except OSError as exc:\n"
+        "        print('refused', path, type(exc).__name__)\n"
+    ),
+    "connects_to_loopback": (
+        "import socket\n"
+        "s = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+        "s.sendall(b'hello')\n"
+        "print('CONNECTED')\n"
+    ),
+    "signals_its_parent": (
+        "import os, signal\n"
+        "for sig in [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGKILL]:\n"
+        "    for pid in [os.getppid(), 1, {trainer}, {victim}]:\n"
+        "        try:\n"
+        "            os.kill(pid, sig)\n"
+        "            print('SIGNALLED', pid)\n"
+        "        except OSError as exc:\n"
+        "            print('refused', pid, type(exc).__name__)\n"
+        "try:\n"
+        "    os.kill(-1, signal.SIGKILL)\n"
+        "except OSError as exc:\n"
+        "    print('refused -1', type(exc).__name__)\n"
+    ),
+    "floods_stdout": "while True:\n    print('x' * 1000)\n",
+    "leaves_a_sleeping_child": (
+        "import os, subprocess\n"
+        "subprocess.Popen(['/bin/sleep', '{marker}'], start_new_session=True)\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    os.execv('/bin/sleep', ['/bin/sleep', '{marker}'])\n"
+        "print('LEFT')\n"
+    ),
+    "imports_the_trainer": (
+        "import sys\n"
+        "sys.path[:0] = ['{project}', '{site}']\n"
+        "for name in ['trl_async', 'torch', 'trl']:\n"
+        "    try:\n"
+        "        __import__(name)\n"
+        "        print('IMPORTED', name)\n"
+        "    except ImportError as exc:\n"
+        "        print('refused', name, type(exc).__name__)\n"
+    ),
+    # beyond the eleven: memory that no address-space limit counts, and the trainer's session keyring
+    "hides_memory_outside_its_limit": (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "try:\n"
+        "    fd = os.memfd_create('hoard')\n"
+        "    os.ftruncate(fd, 1 << 26)\n"
+        "    os.write(fd, b'x' * (1 << 20))\n"
+        "    print('HOARDED memfd')\n"
+        "except OSError as exc:\n"
+        "    print('refused memfd', type(exc).__name__)\n"
+        "segment = libc.shmget(0, 1 << 26, 0o1000 | 0o600)\n"
+        "print('HOARDED shm' if segment >= 0 else 'refused shm')\n"
+    ),
+    "reads_the_keyring": (
+        "import ctypes\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "found = libc.syscall(250, 10, ctypes.c_int(-3), b'user', b'trl_async_planted', 0)  # KEYCTL_SEARCH\n"
+        "print('FOUND KEY' if found >= 0 else 'refused keyctl', ctypes.get_errno())\n"
+        "try:\n"
+        "    print(open('/proc/keys').read())\n"
+        "except OSError as exc:\n"
+        "    print('refused /proc/keys', type(exc).__name__)\n"
+    ),
+}
+
+
+def program(case: str, world: dict) -> str:
+    import site
+
+    return CASES[case].format(
+        guarded=world["guarded"],
+        project=PROJECT,
+        trainer=os.getpid(),
+        victim=world["victim"],
+        port=world["port"],
+        marker=world["marker"],
+        site=site.getsitepackages()[0],
+    )
+
+
+def check_contained(case: str, result, world: dict) -> None:
+    """The case-specific verdict: contained, and the result says why."""
+    out = result.stdout
+    if case == "loops_forever":
+        assert result.timed_out and "cpu_time" in result.limits
+    elif case == "fork_bomb":
+        assert "processes" in result.limits
+    elif case == "allocates_until_killed":
+        assert "memory" in result.limits and "MemoryError" in result.stderr
+    elif case == "fills_the_disk":
+        assert result.limits == ("disk",)
+    elif case == "writes_outside":
+        assert "WROTE []" in out, out
+    elif case == "connects_to_loopback":
+        assert "CONNECTED" not in out and result.exit_code != 0
+        with pytest.raises(TimeoutError):
+            world["listener"].accept()
+    elif case == "signals_its_parent":
+        # the trainer and its other process are out of reach; the run's own init ignores what it is sent (a
+        # non-root trainer's program may "signal" it without effect) and still reports the program's exit
+        assert f"SIGNALLED {os.getpid()}" not in out and f"SIGNALLED {world['victim']}" not in out and result.ok, out
+        os.kill(world["victim"], 0)  # still alive
+    elif case == "floods_stdout":
+        assert result.limits == ("output",) and len(result.stdout) == LIMITS.output_bytes
+    elif case == "leaves_a_sleeping_child":
+        assert result.ok and "LEFT" in out
+    elif case == "hides_memory_outside_its_limit":
+        assert "HOARDED" not in out and "refused memfd PermissionError" in out and "refused shm" in out, out
+    elif case == "reads_the_keyring":
+        assert "FOUND KEY" not in out and "trl_async_planted" not in out, out
+    elif case == "imports_the_trainer":
+        assert "IMPORTED" not in out and out.count("ModuleNotFoundError") == 3, out
+
+
+def check_nothing_escaped(result, world: dict) -> None:
+    assert not sandbox_processes(), "a sandboxed process outlived its run"
+    assert not processes_named(world["marker"])
+    assert world["secret"] not in result.stdout + result.stderr
+    assert snapshot(world["guarded"]) == world["before"]
+    assert not (PROJECT / "pwned.txt").exists() and not Path("/pwned").exists() and not Path("/usr/pwned").exists()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_hostile_program_is_contained_in_namespaces(case, world):
+    sandbox = Sandbox(limits=LIMITS, isolation="namespaces")
+    result = sandbox.run_python(program(case, world))
+    check_contained(case, result, world)
+    check_nothing_escaped(result, world)
+    assert result.seconds < LIMITS.wall_s + 2
+
+
+RLIMITS_CONTAINS = [  # (memfd and the keyring only where libseccomp is installed, so not claimed)
+    "loops_forever",
+    "fork_bomb",
+    "allocates_until_killed",
+    "floods_stdout",
+    "leaves_a_sleeping_child",
+    "reads_environment",
+]
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0,
+    reason="rlimits contain a fork bomb and new sessions through a uid of their own, which takes a root trainer",
+)
+@pytest.mark.parametrize("case", RLIMITS_CONTAINS)
+def test_rlimits_contain_what_they_claim(case, world):
+    result = Sandbox(limits=LIMITS, isolation="rlimits").run_python(program(case, world))
+    if case == "reads_environment":  # the program's own environment is scrubbed; /proc is the host's
+        assert world["secret"] not in result.stdout
+    else:
+        check_contained(case, result, world)
+    check_nothing_escaped(result, world)
+
+
+def test_training_goes_on_while_its_reward_runs_the_hostile_programs(tmp_path, tiny_model_dir, world):
+    """An actual training run whose "completions" are the hostile programs: each row names one, the reward runs it
+    in the sandbox (in place of what the tiny model wrote) and checks it was contained. Every step trains and logs,
+    and nothing escapes."""
+    import math
+
+    from datasets import Dataset
+
+    from trl_async import AsyncGRPOTrainer
+
+    from ..conftest import async_args
+
+    sandbox = Sandbox(limits=LIMITS, isolation="namespaces")
+    names = list(CASES)
+    # 16 rows, each consumed once by 4 steps of 4 groups: every program runs
+    dataset = Dataset.from_list([{"prompt": f"q{i}:", "case": names[i % len(names)]} for i in range(16)])
+    ran = []
+
+    def hostile_reward(completions, case, **kwargs):
+        results = [sandbox.run_python(program(name, world)) for name in case]
+        for name, result in zip(case, results, strict=True):
+            check_contained(name, result, world)
+            ran.append((name, result.stdout + result.stderr))
+        return [float(result.ok) for result in results]
+
+    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=hostile_reward,
+                               args=async_args(tmp_path, max_steps=4, num_generations=2, rollout_timeout_s=120),
+                               train_dataset=dataset)  # fmt: skip
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert trainer.state.global_step == 4 and len(losses) == 4 and all(math.isfinite(x) for x in losses)
+    assert len({name for name, _ in ran}) == len(names)  # every program ran at least once
+    assert world["secret"] not in json.dumps(trainer.state.log_history) + "".join(text for _, text in ran)
+    assert not sandbox_processes() and not processes_named(world["marker"])
+    assert snapshot(world["guarded"]) == world["before"]
+
+
+NON_ROOT_DRIVER = """
+import dataclasses, json, sys, types
+package = types.ModuleType("trl_async")  # the sandbox alone: the package's __init__ imports torch
+package.__path__ = [sys.argv[1] + "/trl_async"]
+sys.modules["trl_async"] = package
+from trl_async.sandbox import Limits, Sandbox
+sandbox = Sandbox(limits=Limits(**json.loads(sys.argv[2])), isolation="namespaces")
+for name, source in json.loads(sys.stdin.read()).items():
+    print(json.dumps([name, dataclasses.asdict(sandbox.run_python(source))]), flush=True)
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not Path("/usr/bin/python3").exists() or not Path("/usr/bin/setpriv").exists(),
+    reason="runs a trainer as an unprivileged user: needs root to switch, /usr/bin/python3 and setpriv",
+)
+def test_a_non_root_trainer_contains_the_same_programs(world):
+    """A trainer that is not root gets the same containment from a user namespace (root inside it, with every
+    capability dropped). The trainer here is the system Python run as ``nobody``, with the sandbox package alone."""
+    import dataclasses
+
+    from trl_async.sandbox import SandboxResult
+
+    probe = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "unshare", "--user",
+                            "--map-root-user", "--pid", "--fork", "--mount", "true"], capture_output=True)  # fmt: skip
+    if probe.returncode != 0:
+        pytest.skip(f"unprivileged user namespaces are refused here: {probe.stderr.decode().strip()}")
+    limits = {f.name: getattr(LIMITS, f.name) for f in dataclasses.fields(LIMITS)}
+    sources = {case: program(case, world) for case in CASES}
+    done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-I",
+                           "-c", NON_ROOT_DRIVER, str(PROJECT), json.dumps(limits)], input=json.dumps(sources),
+                          capture_output=True, text=True, timeout=300, env={"PATH": os.defpath})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    results = dict(json.loads(line) for line in done.stdout.splitlines())
+    assert set(results) == set(CASES)
+    for case, fields in results.items():
+        result = SandboxResult(**{**fields, "limits": tuple(fields["limits"])})
+        check_contained(case, result, world)
+        check_nothing_escaped(result, world)
+    assert not processes_owned_by(65534)
+
+
+def processes_owned_by(uid: int) -> list[str]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and os.stat(f"/proc/{entry}").st_uid == uid:
+                found.append(entry)
+        except FileNotFoundError:
+            pass
+    return found
+
+
+def test_concurrent_runs_of_two_sandboxes_never_share_a_uid():
+    """Each run holds a uid of its own (a lock file per uid), whichever sandbox object or process starts it: a run
+    cannot use up another's process limit, nor be killed with it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if os.geteuid() != 0:
+        pytest.skip("a uid per run is for root trainers")
+    first, second = Sandbox(limits=LIMITS, concurrency=2), Sandbox(limits=LIMITS, concurrency=2)
+    source = "import os, time\ntime.sleep(0.5)\nprint(os.getuid())"
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda sandbox: sandbox.run_python(source), [first, second, first, second]))
+    uids = [int(r.stdout) for r in results]
+    assert len(set(uids)) == 4 and all(r.ok for r in results)
+
+
+TRAINER_DRIVER = """
+import sys, types
+package = types.ModuleType("trl_async")
+package.__path__ = [sys.argv[1] + "/trl_async"]
+sys.modules["trl_async"] = package
+from trl_async.sandbox import Limits, Sandbox
+marker = sys.stdin.readline().strip()  # not on the command line, where the test looks for the run's processes
+Sandbox(limits=Limits(wall_s=120, cpu_s=120)).run_python(
+    "import subprocess, time\\nsubprocess.Popen(['/bin/sleep', %r], start_new_session=True)\\ntime.sleep(120)" % marker
+)
+"""
+
+
+def test_a_killed_trainer_takes_its_runs_with_it(world):
+    """The trainer dies mid-run (SIGKILL, no clean-up of its own): the run's launcher sees its pipe close and ends
+    the run at once, long before the run's wall clock."""
+    import time
+
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER_DRIVER, str(PROJECT)], stdin=subprocess.PIPE, text=True)
+    trainer.stdin.write(world["marker"] + "\n")
+    trainer.stdin.flush()
+    deadline = time.monotonic() + 30
+    while not processes_named(world["marker"]):  # the run is under way
+        assert time.monotonic() < deadline, "the run never started"
+        time.sleep(0.05)
+    trainer.kill()
+    trainer.wait()
+    deadline = time.monotonic() + 5
+    while processes_named(world["marker"]) or sandbox_processes():
+        assert time.monotonic() < deadline, "the run outlived its trainer"
+        time.sleep(0.05)
