@@ -46,7 +46,6 @@ def start_pool(trainer, progress: dict | None = None) -> RolloutPool:
         timeout_s=a.rollout_timeout_s,
         start_version=start_version,
         num_generations=trainer.num_generations,
-        verify_weights=a.rollout_verify_weights,
         groups_per_call=geometry.groups_per_call,
         max_restarts=a.rollout_max_restarts,
         heartbeat_timeout_s=a.rollout_heartbeat_timeout_s,

@@ -18,6 +18,7 @@ from trl_async.engines.transformers.worker_process import ProcessBackend
 from trl_async.rollout.pool import PoolSettings, RolloutLaneError, RolloutPool
 from trl_async.rollout.prompts import PromptStream
 from trl_async.rollout.scored import ScoredGroup
+from trl_async.weights.shared_memory import Digest
 
 G = 2  # completions per group
 
@@ -57,7 +58,6 @@ def make_pool(
         queue_size=queue_size or (max_staleness + 1) * groups_per_batch,
         timeout_s=timeout_s,
         start_version=0,
-        verify_weights=True,
         max_restarts=max_restarts,
         heartbeat_timeout_s=heartbeat_s,
         scoring_threads=scoring_threads,
@@ -68,7 +68,7 @@ def make_pool(
     weight_specs = {n: (tuple(p.shape), p.dtype) for n, p in published}
     backend = ProcessBackend(specs, weight_specs, settings.groups_per_call)
     pool = RolloutPool(backend, settings, prompts, lambda i: {}, lambda i, row: (5, 6, 7 + i), score)
-    pool.publish([published], version=0)
+    pool.publish([published], 0, Digest())
     return pool, model
 
 
@@ -89,7 +89,7 @@ def test_synchronous_admission_generates_exactly_one_batch_per_published_version
         assert [g.group.prompt_index for g in groups] == [0, 1] and stats.staleness == [0] * 4
         time.sleep(1.0)  # consumed, but version 1 not published: the next batch may not start (it would be stale)
         assert pool.admitted == 2
-        pool.publish([list(model.named_parameters())], version=1)
+        pool.publish([list(model.named_parameters())], 1, Digest())
         groups, stats = pool.take(2, consumer_version=1)
         assert [g.group.prompt_index for g in groups] == [2, 3]
         assert all(set(g.group.token_versions) == {1} for g in groups) and stats.staleness == [0] * 4
@@ -117,7 +117,7 @@ def test_stale_groups_are_dropped_counted_and_their_prompts_regenerated():
     pool, model = make_pool(max_staleness=0)
     try:
         wait_until(lambda: pool.ready_count == 2)  # prompts 0 and 1 generated with version 0
-        pool.publish([list(model.named_parameters())], version=1)
+        pool.publish([list(model.named_parameters())], 1, Digest())
         groups, stats = pool.take(2, consumer_version=1)  # version-0 groups are 1 step stale: never trained on
         assert pool.dropped_groups == 2 and stats.dropped_samples_total == 2 * G
         assert sorted(g.group.prompt_index for g in groups) == [0, 1]  # same prompts, generated again
@@ -139,7 +139,7 @@ def test_a_group_already_too_stale_when_it_arrives_is_dropped_without_scoring():
     pool, model = make_pool(max_staleness=0, score=score)
     try:
         wait_until(lambda: len(scored_versions) == 1)
-        pool.publish([list(model.named_parameters())], version=1)
+        pool.publish([list(model.named_parameters())], 1, Digest())
         release.set()
         groups, _ = pool.take(2, consumer_version=1)
         assert pool.dropped_groups == 2 and sorted(g.group.prompt_index for g in groups) == [0, 1]
@@ -231,7 +231,7 @@ def test_a_failure_after_the_last_batch_was_taken_is_reported_when_the_pool_clos
     pool, model = make_pool(max_staleness=0, score=score)
     try:
         pool.take(2, consumer_version=0)
-        pool.publish([list(model.named_parameters())], version=1)  # the next step's groups are generated and scored
+        pool.publish([list(model.named_parameters())], 1, Digest())  # the next step's groups are generated and scored
         wait_until(lambda: pool._error is not None)
     finally:
         with caplog.at_level(logging.WARNING):
@@ -269,7 +269,7 @@ def test_a_worker_killed_mid_generation_is_restarted_and_its_groups_generated_ag
         first, _ = pool.take(2, consumer_version=0)
         lost = pool.processes[0]
         os.kill(lost.pid, signal.SIGSTOP)  # hold it mid-task so it surely dies with groups in hand
-        pool.publish([list(model.named_parameters())], version=1)
+        pool.publish([list(model.named_parameters())], 1, Digest())
         wait_until(lambda: len(pool.outstanding(0)) == 2)
         os.kill(lost.pid, signal.SIGKILL)
         groups, stats = pool.take(2, consumer_version=1)
@@ -323,7 +323,7 @@ def test_a_stopped_worker_misses_heartbeats_and_is_replaced():
         pool.take(2, consumer_version=0)
         stopped = pool.processes[0]
         os.kill(stopped.pid, signal.SIGSTOP)
-        pool.publish([list(model.named_parameters())], version=1)
+        pool.publish([list(model.named_parameters())], 1, Digest())
         groups, _ = pool.take(2, consumer_version=1)  # served by the replacement
         assert sorted(g.group.prompt_index for g in groups) == [2, 3]
         assert "no heartbeat" in pool.lost_lanes[0] and not stopped.is_alive()
@@ -336,7 +336,7 @@ def test_a_stopped_worker_without_restarts_left_is_an_error_not_a_hang():
     try:
         pool.take(2, consumer_version=0)
         os.kill(pool.processes[0].pid, signal.SIGSTOP)
-        pool.publish([list(model.named_parameters())], version=1)
+        pool.publish([list(model.named_parameters())], 1, Digest())
         start = time.monotonic()
         with pytest.raises(RolloutLaneError, match=r"rollout worker 0 .* no heartbeat for .*rollout_max_restarts=0"):
             pool.take(2, consumer_version=1)
@@ -369,7 +369,7 @@ def test_a_worker_reporting_a_version_the_moment_it_is_visible_is_verified_not_a
         verified = pool.verified_adoptions
         with torch.no_grad():
             next(model.parameters()).add_(0.01)
-        pool.publish([list(model.named_parameters())], version=1)
+        pool.publish([list(model.named_parameters())], 1, Digest())
         assert pool.verified_adoptions == verified + 1
         assert visible_when_recorded == [0]  # recorded while the workers could still see only version 0
     finally:

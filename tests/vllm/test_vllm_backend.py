@@ -270,7 +270,6 @@ def _pool_over(stubs, queue_size, timeout_s=30.0):
         queue_size=queue_size,
         timeout_s=timeout_s,
         start_version=0,
-        verify_weights=False,
     )
     prompts = PromptStream(64, 2, shuffle=False, seed=0)
     pool = RolloutPool(

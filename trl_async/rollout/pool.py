@@ -29,6 +29,7 @@ from ..records import RolloutGroup, RolloutTask
 from ..weights.shared_memory import Digest
 from .admission import AdmissionLedger
 from .consumption import next_ready
+from .dispatch import later_turn_chunk, pick_lane
 from .lanes import Lanes, RolloutLaneError, RolloutWorkerError  # noqa: F401 - raised to the trainer
 from .prompts import PromptStream
 from .scored import ScoredGroup, TakeStats, TakeTally
@@ -48,7 +49,6 @@ class PoolSettings:
     queue_size: int  # most groups admitted but not yet consumed
     timeout_s: float
     start_version: int  # trainer version when the pool starts (0, or the resumed global step)
-    verify_weights: bool
     groups_per_call: int = 1  # most groups handed to a worker at once (one generate call)
     max_restarts: int = 3  # per worker: a lost worker is restarted this many times, then the pool fails
     heartbeat_timeout_s: float = 10.0  # a worker silent this long is hung: killed, then restarted or reported
@@ -135,15 +135,17 @@ class RolloutPool:
         """Where ``publish_base`` writes in place (adapter-only LoRA sync), or ``None``."""
         return self.backend.base_target
 
-    def publish_base(self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]], version: int) -> None:
+    def publish_base(self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]], version: int,
+                     digest: Digest | None = None) -> None:  # fmt: skip
         """Adapter-only LoRA sync: the frozen rest of the model, once (and again for a server that came back)."""
-        self.backend.publish_base(buckets, version)
+        self.backend.publish_base(buckets, version, digest)
 
-    def publish(self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]], version: int) -> float:
-        """Make the streamed tensors the weights of ``version`` (see ``SharedMemoryWeights.publish``); workers adopt
-        them at their next safe point. Returns the seconds it took."""
+    def publish(self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]], version: int,
+                digest: Digest | None = None) -> float:  # fmt: skip
+        """Make the streamed tensors the weights of ``version`` (see ``SharedMemoryWeights.publish``); lanes adopt
+        them at their next safe point. ``digest`` (``rollout_verify_weights``): filled from the stream, what every lane
+        must report adopting. Returns the seconds it took."""
         start = time.perf_counter()
-        digest = Digest() if self.settings.verify_weights else None
         # the digest is recorded before the version becomes visible: a fast worker may report adopting it at once
         ready = None if digest is None else (lambda: self.lanes.expect_digest(version, digest.hexdigest()))
         self.backend.publish(buckets, version, digest, ready)
@@ -324,16 +326,11 @@ class RolloutPool:
         ``max_outstanding`` groups (a worker process: two chunks, the one it generates and the next; a vLLM server:
         the queue size), so each lane's outstanding groups are known exactly."""
         per_call, rows_per_group = self.settings.groups_per_call, self.settings.num_generations
-
-        def load(w) -> float:  # in groups: a later turn of one episode is 1 / num_generations of a group
-            return sum(len(t.contexts) / rows_per_group if t.contexts else 1 for t in w.outstanding.values())
-
-        handed: dict[int, int] = {}  # id(lane) -> the number of its last chunk: of equal loads, the idlest lane
+        handed: dict[int, int] = {}  # id(lane) -> the number of its last chunk (dispatch.pick_lane)
         chunks = itertools.count()
 
         def free_worker():
-            room = [w for w in self.lanes.current if load(w) + per_call <= w.max_outstanding]
-            return min(room, key=lambda w: (load(w), handed.get(id(w), -1))) if room else None
+            return pick_lane(self.lanes.current, per_call, rows_per_group, handed)
 
         while True:
             with self._cv:
@@ -348,11 +345,7 @@ class RolloutPool:
                     return
                 worker = free_worker()
                 if self._later_turns:  # finish episodes under way first: up to one call's rows of later turns
-                    chunk = [self._later_turns.popleft()]
-                    rows = len(chunk[0].contexts)
-                    while self._later_turns and rows + len(self._later_turns[0].contexts) <= per_call * rows_per_group:
-                        rows += len(self._later_turns[0].contexts)
-                        chunk.append(self._later_turns.popleft())
+                    chunk = later_turn_chunk(self._later_turns, per_call * rows_per_group)
                 else:
                     n = min(per_call, self._ledger.room())
                     self._ledger.admit(n)

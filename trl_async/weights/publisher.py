@@ -1,7 +1,8 @@
 """``WeightPublisher``: the one way weights leave the trainer. It decides whether LoRA training sends the adapters
 alone, agrees on that across ranks once the pool has started, remembers when the frozen base must go (with the first
-version, and again for a vLLM server that came back), and streams the policy bucket by bucket into the pool, or,
-on ranks without a pool, through the same gathers and nowhere (under ZeRO-3 every rank's shards move to rank 0).
+version, and again for a vLLM server that came back), and streams the policy bucket by bucket into the pool (with a
+digest of it when weights are verified), or, on ranks without a pool, through the same gathers and nowhere (under
+ZeRO-3 every rank's shards move to rank 0).
 
 Every rank calls ``publish`` in the same order, on the main thread."""
 
@@ -16,6 +17,7 @@ from transformers.utils import logging
 
 from .lora import adapter_sync_blocker
 from .policy import iter_policy_buckets, policy_units
+from .shared_memory import Digest
 
 logger = logging.get_logger(__name__)
 
@@ -114,11 +116,15 @@ class WeightPublisher:
             self._base_pending = False
             start = time.perf_counter()
             base = self._stream("frozen", pool.base_target if pool is not None else None)
-            pool.publish_base(base, version) if pool is not None else drain(base)
+            pool.publish_base(base, version, self._digest()) if pool is not None else drain(base)
             base_s = time.perf_counter() - start
         target = pool.publish_target if pool is not None else None
         buckets = self._stream("adapters" if self.adapter_sync else "full", target)
         if pool is None:
             drain(buckets)
             return None
-        return pool.publish(buckets, version) + base_s
+        return pool.publish(buckets, version, self._digest()) + base_s
+
+    def _digest(self) -> Digest | None:
+        """What the workers must report adopting (``rollout_verify_weights``), filled as the buckets stream."""
+        return Digest() if self._args.rollout_verify_weights else None

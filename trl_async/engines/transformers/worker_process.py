@@ -231,10 +231,9 @@ class ProcessBackend:
     def base_target(self):
         return self.base.spare_tensors if self.base is not None else None
 
-    def publish_base(self, buckets, version: int) -> None:
-        """The frozen weights of adapter-only LoRA sync, once, before the first version of the adapters (with
-        ``rollout_verify_weights``, hashed: every version's digest then chains the base's)."""
-        digest = Digest() if self.specs and self.specs[0].verify_weights else None
+    def publish_base(self, buckets, version: int, digest: Digest | None = None) -> None:
+        """The frozen weights of adapter-only LoRA sync, once, before the first version of the adapters (with a
+        ``digest``, hashed: every version's digest then chains the base's)."""
         self.base.publish(buckets, version, digest)
         self.base_digest = digest.hexdigest() if digest is not None else None
 

@@ -152,7 +152,7 @@ class VLLMBackend:
 
     base_target = publish_target
 
-    def publish_base(self, buckets: Buckets, version: int) -> None:
+    def publish_base(self, buckets: Buckets, version: int, digest=None) -> None:
         """The frozen base before the first adapter (the servers may have started from other weights): to every
         server first, later to the servers that came back."""
         if self.pusher.pushes:  # returning servers: a group of their own (the others keep their base and adapters)
