@@ -18,7 +18,8 @@ from .engines.transformers.worker import WorkerSpec
 from .engines.transformers.worker_process import ProcessBackend
 from .precision import device_precision
 from .records import RolloutGroup
-from .rollout.episodes import EnvironmentPool, EpisodeRunner
+from .rollout.environments import EnvironmentPool
+from .rollout.episodes import EpisodeRunner
 from .rollout.filtering import SignalFilter
 from .rollout.pool import PoolSettings, RolloutPool
 from .rollout.prompts import PromptStream

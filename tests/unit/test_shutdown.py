@@ -7,7 +7,8 @@ import time
 
 from trl_async.demo.tiny import build_char_tokenizer
 from trl_async.records import RolloutTask
-from trl_async.rollout.episodes import EnvironmentPool, EpisodeRunner
+from trl_async.rollout.environments import EnvironmentPool
+from trl_async.rollout.episodes import EpisodeRunner
 from trl_async.rollout.rollout_func import RolloutFuncRunner
 from trl_async.rollout.tool_calls import ToolRunner
 

@@ -30,11 +30,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers.utils import logging
 
+from ...weights.lora import LoraMerge
 from .client import VLLMServer
 from .push import _all
 
@@ -69,6 +71,18 @@ def _error_of(call: Callable[[], object]) -> Exception | None:
     except Exception as exc:  # noqa: BLE001 - the caller decides (a lost server's, or raised)
         return exc
     return None
+
+
+@dataclass(frozen=True)
+class AdapterPlan:
+    """Adapter-only LoRA sync (engines/vllm/adapters.py): the frozen base's specs (pushed once), the published
+    adapter tensors' specs, how they combine per layer, where the adapter files go, and how many versions stay."""
+
+    base_specs: dict
+    adapter_specs: dict
+    merges: tuple[LoraMerge, ...]
+    directory: str | None
+    keep: int
 
 
 class ServedAdapters:

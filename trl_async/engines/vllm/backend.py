@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from transformers.utils import logging
 
-from ...weights.lora import LoraMerge, served_adapter
+from ...weights.lora import served_adapter
+from .adapters import AdapterPlan  # noqa: F401 - pool_setup builds it from here
 from .client import VLLMServer
 from .push import Buckets, VLLMWeightPusher
 from .reattach import Return
@@ -35,18 +35,6 @@ from .server_lane import VLLMLane, VLLMLaneSpec, cut_after_eos  # noqa: F401 - t
 
 logger = logging.get_logger(__name__)
 PROBE = (1, 2, 3, 4, 5, 6, 7, 8)  # the prompt a returning server and a peer both complete greedily
-
-
-@dataclass(frozen=True)
-class AdapterPlan:
-    """Adapter-only LoRA sync (engines/vllm/adapters.py): the frozen base's specs (pushed once), the published
-    adapter tensors' specs, how they combine per layer, where the adapter files go, and how many versions stay."""
-
-    base_specs: dict
-    adapter_specs: dict
-    merges: tuple[LoraMerge, ...]
-    directory: str | None
-    keep: int
 
 
 class VLLMBackend:

@@ -9,17 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from ...weights.lora import served_adapter, served_rank
-from .adapters import ServedAdapters
+from .adapters import AdapterPlan, ServedAdapters
 from .client import VLLMServer, VLLMServerError
 from .reattach import identity
-
-if TYPE_CHECKING:
-    from .backend import AdapterPlan
 
 
 @dataclass
