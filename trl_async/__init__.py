@@ -1,9 +1,9 @@
 """trl_async: asynchronous GRPO for TRL (background rollout workers, bounded version-tagged queue, staleness
 correction). ``from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer``.
 
-The two names are loaded on first use: a rollout worker process imports ``trl_async.engines.transformers.worker``, which needs torch and
-transformers only, and importing the package eagerly would pull in TRL, peft and the trainer (seconds per worker start).
-"""
+The two names are loaded on first use: a rollout worker process imports ``trl_async.engines.transformers.worker``, which
+needs torch and transformers only, and importing the package eagerly would pull in TRL, peft and the trainer (seconds
+per worker start)."""
 
 from __future__ import annotations
 

@@ -110,9 +110,9 @@ def off_policy_correction(
     """Weights w = f(pi_prox / mu) for ``mode`` (see the module docstring) and their statistics.
 
     Statistics are over the units the mode weighs (tokens, or sequences for ``seq_*``): ``ratio_mean/min/max`` of the
-    raw rho, ``ess`` of the final weights, ``truncated_frac`` (rho > C in truncating modes), ``masked_frac`` (weights set
-    to 0), ``behaviour_nan`` (tokens without a behaviour log-prob, given rho = 1), and ``kl_behaviour``, the k3 estimate of KL(mu || pi_prox) = E_mu[rho - 1 - log rho] over tokens
-    (Schulman 2020, "Approximating KL divergence").
+    raw rho, ``ess`` of the final weights, ``truncated_frac`` (rho > C in truncating modes), ``masked_frac`` (weights
+    set to 0), ``behaviour_nan`` (tokens without a behaviour log-prob, given rho = 1), and ``kl_behaviour``, the k3
+    estimate of KL(mu || pi_prox) = E_mu[rho - 1 - log rho] over tokens (Schulman 2020, "Approximating KL divergence").
     """
     if mode not in MODES:
         raise ValueError(f"unknown off-policy correction {mode!r}; expected one of {MODES}")

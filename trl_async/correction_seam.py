@@ -58,9 +58,13 @@ class CorrectionSeam:
     def _staleness_weights(self, prox: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         a = self.async_args
         correction = off_policy_correction(
-            prox, behaviour, mask, a.off_policy_correction, a.resolved_importance_sampling_cap,
+            prox,
+            behaviour,
+            mask,
+            a.off_policy_correction,
+            a.resolved_importance_sampling_cap,
             a.importance_sampling_floor,
-        )  # fmt: skip
+        )
         stats = correction.stats
         if self.accelerator.num_processes > 1:  # every rank computes its weights here, in the same order
             names = list(stats)
@@ -89,9 +93,16 @@ class CorrectionSeam:
                 if not self._sampling_differs:
                     return logps, logps
             full, processed = proximal_logps(
-                self.model, prompt_completion_ids, attention_mask, output["prompt_ids"].size(1), self._sampling,
-                self.temperature, batch_size, self.accelerator.autocast, output.get("tool_mask"),
-            )  # fmt: skip
+                self.model,
+                prompt_completion_ids,
+                attention_mask,
+                output["prompt_ids"].size(1),
+                self._sampling,
+                self.temperature,
+                batch_size,
+                self.accelerator.autocast,
+                output.get("tool_mask"),
+            )
         # with an fp32 LM head the loss's log-probs are the fused forward's: the clipped ratio starts at 1 with those
         return (logps if self.args.cast_lm_head_to_fp32 else full), processed
 
@@ -134,6 +145,8 @@ class CorrectionSeam:
     def _correction_from_loss_forward(self) -> bool:
         a = self.async_args
         return (
-            self._geometry.steps_per_batch == 1 and a.off_policy_correction != "none" and not a.off_policy_bypass
+            self._geometry.steps_per_batch == 1
+            and a.off_policy_correction != "none"
+            and not a.off_policy_bypass
             and not self._sampling_differs  # the weight needs the processed distribution: logits, not log-probs
-        )  # fmt: skip
+        )

@@ -22,8 +22,13 @@ class EngineChoice:
     colocate: bool  # vLLM: the trainer starts and owns the server
 
 
-def rollout_engine(rollout_backend: str | None, use_vllm: bool, vllm_mode: str, rollout_vllm_urls,
-                   vllm_enable_sleep_mode: bool = False) -> EngineChoice:  # fmt: skip
+def rollout_engine(
+    rollout_backend: str | None,
+    use_vllm: bool,
+    vllm_mode: str,
+    rollout_vllm_urls,
+    vllm_enable_sleep_mode: bool = False,
+) -> EngineChoice:
     """The engine GRPOConfig's vLLM fields and ``rollout_backend`` (None: follow ``use_vllm``) ask for. Raises
     ``ValueError`` naming the fields when they disagree."""
     if not use_vllm:
@@ -57,8 +62,9 @@ class DeviceChoice:
     reason: str
 
 
-def rollout_device_for(requested: str | None, trainer_device: str, visible_gpus: int, trainer_gpus: set[int]
-                       ) -> DeviceChoice:  # fmt: skip
+def rollout_device_for(
+    requested: str | None, trainer_device: str, visible_gpus: int, trainer_gpus: set[int]
+) -> DeviceChoice:
     """Where the transformers workers generate. ``requested`` (``rollout_device``) wins; unset, a CPU trainer's
     workers use the CPU and a CUDA trainer's use a GPU: the first visible one no trainer rank on this machine uses
     (``trainer_gpus``, indices among the ``visible_gpus``), else the trainer's own."""
@@ -70,8 +76,9 @@ def rollout_device_for(requested: str | None, trainer_device: str, visible_gpus:
     if free:
         return DeviceChoice(f"cuda:{free[0]}", "a GPU no trainer rank uses")
     own = trainer_device if ":" in trainer_device else "cuda:0"
-    return DeviceChoice(own, f"every visible GPU trains, so they share the trainer's ({own}); set rollout_device to "
-                             "choose another")  # fmt: skip
+    return DeviceChoice(
+        own, f"every visible GPU trains, so they share the trainer's ({own}); set rollout_device to choose another"
+    )
 
 
 def physical_gpu(cuda_visible_devices: str | None, index: int) -> str:

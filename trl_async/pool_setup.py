@@ -75,12 +75,18 @@ def start_pool(trainer, progress: dict | None = None) -> RolloutPool:
         read_row = trainer.train_dataset.__getitem__  # once per admitted group (RolloutPool keeps the row)
         keep = None
         if a.dynamic_sampling:  # groups without signal never take a batch slot
-            keep = SignalFilter(trainer.reward_weights, args.multi_objective_aggregation, trainer.reward_func_names,
-                                geometry.groups_per_batch, a.dynamic_sampling_limit).keep  # fmt: skip
+            keep = SignalFilter(
+                trainer.reward_weights,
+                args.multi_objective_aggregation,
+                trainer.reward_func_names,
+                geometry.groups_per_batch,
+                a.dynamic_sampling_limit,
+            ).keep
         score_group, scorers = make_score_group(trainer)
         closers.append(lambda: [scorer.close() for scorer in scorers])
-        return RolloutPool(backend, settings, prompts, read_row, make_tokenize_row(trainer), score_group, episodes,
-                           keep, closers)  # fmt: skip
+        return RolloutPool(
+            backend, settings, prompts, read_row, make_tokenize_row(trainer), score_group, episodes, keep, closers
+        )
     except BaseException:
         backend.close()  # colocated vLLM servers must not outlive a pool that never started
         for close in closers:
@@ -93,17 +99,24 @@ def episode_runner_factory(trainer, tool_runner: ToolRunner):
     parser, chat template and tool-suffix rendering, on copies made here (the runner's thread owns them)."""
     config = trainer.accelerator.unwrap_model(trainer.model).config
     kwargs = dict(
-        tokenizer=copy.deepcopy(trainer._tokenizer), chat_template=trainer.chat_template,
-        chat_template_kwargs=dict(trainer.chat_template_kwargs), tools=list(trainer.tools),
-        max_rounds=trainer.max_tool_calling_iterations, max_completion_length=trainer.max_completion_length,
-        max_model_len=getattr(config, "max_position_embeddings", None), tool_runner=tool_runner,
-        tool_dicts=split_tools(trainer.tools), num_generations=trainer.num_generations,
-    )  # fmt: skip
+        tokenizer=copy.deepcopy(trainer._tokenizer),
+        chat_template=trainer.chat_template,
+        chat_template_kwargs=dict(trainer.chat_template_kwargs),
+        tools=list(trainer.tools),
+        max_rounds=trainer.max_tool_calling_iterations,
+        max_completion_length=trainer.max_completion_length,
+        max_model_len=getattr(config, "max_position_embeddings", None),
+        tool_runner=tool_runner,
+        tool_dicts=split_tools(trainer.tools),
+        num_generations=trainer.num_generations,
+    )
     if trainer.environment_factories is not None:  # each episode: its own instance, reset, methods as tools
         kwargs.update(
-            environments=EnvironmentPool(dict(trainer.environment_factories)), standalone_tools=list(trainer._standalone_tools), schema_tools=dict(trainer._env_tools),
+            environments=EnvironmentPool(dict(trainer.environment_factories)),
+            standalone_tools=list(trainer._standalone_tools),
+            schema_tools=dict(trainer._env_tools),
             multi_environment=trainer._multi_environment,
-        )  # fmt: skip
+        )
     return lambda **callbacks: EpisodeRunner(**kwargs, **callbacks)
 
 
@@ -111,10 +124,14 @@ def rollout_func_runner_factory(trainer):
     """``rollout_func`` runs per admitted group on a background thread (rollout/custom_rollouts.py)."""
     config = trainer.accelerator.unwrap_model(trainer.model).config
     kwargs = dict(
-        rollout_func=trainer.rollout_func, trainer=trainer, tokenizer=copy.deepcopy(trainer.processing_class),
-        num_generations=trainer.num_generations, timeout_s=trainer.async_args.rollout_timeout_s, max_model_len=getattr(config, "max_position_embeddings", None),
+        rollout_func=trainer.rollout_func,
+        trainer=trainer,
+        tokenizer=copy.deepcopy(trainer.processing_class),
+        num_generations=trainer.num_generations,
+        timeout_s=trainer.async_args.rollout_timeout_s,
+        max_model_len=getattr(config, "max_position_embeddings", None),
         max_new_tokens=trainer.max_completion_length,
-    )  # fmt: skip
+    )
     return lambda **callbacks: RolloutFuncRunner(**kwargs, **callbacks)
 
 
@@ -171,20 +188,34 @@ def start_colocated_servers(trainer, model, servers: list) -> None:
     base = model.get_base_model() if is_peft_model(model) else model
     name = getattr(base.config, "_name_or_path", None)
     if not name:
-        raise ValueError("GRPOConfig.vllm_mode='colocate' starts a vLLM server, which loads the model by name: pass "
-                         "the model as a hub id or a path (or save_pretrained it first)")  # fmt: skip
+        raise ValueError(
+            "GRPOConfig.vllm_mode='colocate' starts a vLLM server, which loads the model by name: pass "
+            "the model as a hub id or a path (or save_pretrained it first)"
+        )
     groups = trainer._colocated_gpus
     on_gpu = groups[0] is not None
     dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
-    flags = colocated_flags(args.vllm_max_model_length, args.vllm_gpu_memory_utilization,
-                            args.vllm_tensor_parallel_size, args.vllm_model_impl, dtype, on_gpu)  # fmt: skip
+    flags = colocated_flags(
+        args.vllm_max_model_length,
+        args.vllm_gpu_memory_utilization,
+        args.vllm_tensor_parallel_size,
+        args.vllm_model_impl,
+        dtype,
+        on_gpu,
+    )
     flags += list(a.rollout_vllm_server_args or [])
     for i, gpus in enumerate(groups):
         log = Path(args.output_dir or ".") / f"vllm_colocate_{i}.log"
-        servers.append(ColocatedServer.start(name, "nccl" if on_gpu else "gloo", flags, gpus, log,
-                                             a.rollout_vllm_python))  # fmt: skip
-        logger.warning("vllm_mode='colocate': started a vLLM server for %s on %s at %s (log: %s)", name,
-                       f"GPU {','.join(gpus)}" if gpus else "the CPU", servers[-1].url, log)  # fmt: skip
+        servers.append(
+            ColocatedServer.start(name, "nccl" if on_gpu else "gloo", flags, gpus, log, a.rollout_vllm_python)
+        )
+        logger.warning(
+            "vllm_mode='colocate': started a vLLM server for %s on %s at %s (log: %s)",
+            name,
+            f"GPU {','.join(gpus)}" if gpus else "the CPU",
+            servers[-1].url,
+            log,
+        )
     wait_for(servers, args.vllm_server_timeout)
 
 
@@ -261,11 +292,15 @@ def _vllm_backend(trainer, model, urls: list[str], owned: list):
         startup_timeout_s=args.vllm_server_timeout,
         adapters=AdapterPlan(  # LoRA: the base once, then each version as a named adapter
             base_specs=policy_specs(model, persistent_only=True, part="frozen"),
-            adapter_specs=policy_specs(model, part="adapters"), merges=adapter_tensors(model)[2],
-            directory=a.rollout_vllm_adapter_dir, keep=a.max_staleness + 2,
-        ) if trainer._adapter_sync else None,
+            adapter_specs=policy_specs(model, part="adapters"),
+            merges=adapter_tensors(model)[2],
+            directory=a.rollout_vllm_adapter_dir,
+            keep=a.max_staleness + 2,
+        )
+        if trainer._adapter_sync
+        else None,
         down_limit_s=a.rollout_vllm_down_limit_s,
-    )  # fmt: skip
+    )
 
 
 def make_tokenize_row(trainer):

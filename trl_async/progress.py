@@ -77,15 +77,17 @@ def batch_metrics(stats, groups, max_staleness: int, worker_restarts: int, aband
     out = {"async/staleness_mean": sum(staleness) / len(staleness), "async/staleness_max": max(staleness)}
     for k in range(max_staleness + 1):  # histogram: samples per staleness in this batch
         out[f"async/staleness_k{k}"] = staleness.count(k)
-    out.update({
-        "async/queue_size": stats.queue_size,
-        "async/trainer_wait_s": stats.wait_s,
-        "async/dropped_stale": stats.dropped_samples_total,
-        "async/gen_tokens_per_s": stats.gen_tokens_per_s,
-        # reward functions that returned None/NaN: GRPOTrainer ignores those values (nansum), we count them
-        "async/reward_nan": sum(int(g.rewards.isnan().sum()) for g in groups),
-        "async/worker_restarts": worker_restarts,
-    })  # fmt: skip
+    out.update(
+        {
+            "async/queue_size": stats.queue_size,
+            "async/trainer_wait_s": stats.wait_s,
+            "async/dropped_stale": stats.dropped_samples_total,
+            "async/gen_tokens_per_s": stats.gen_tokens_per_s,
+            # reward functions that returned None/NaN: GRPOTrainer ignores those values (nansum), we count them
+            "async/reward_nan": sum(int(g.rewards.isnan().sum()) for g in groups),
+            "async/worker_restarts": worker_restarts,
+        }
+    )
     if stats.lanes_healthy is not None:  # workers alive, vLLM servers attached (not down, not yet re-attached)
         out["async/lanes_healthy"] = stats.lanes_healthy
     if stats.filtered_groups_total is not None:  # dynamic_sampling: groups dropped for having no signal

@@ -2,10 +2,11 @@
 
 A worker samples token ``a`` from the *processed* distribution: the raw logits, the stop tokens held back before
 ``min_new_tokens``, the repetition penalty, temperature, then the truncations (top-k, top-p, min-p, and on the
-transformers workers top-h, typical-p, epsilon and eta), renormalised over the tokens kept. Its log-prob there is mu. The importance ratio compares mu with the
-trainer's policy at the consumed version processed *the same way* (``processed_logps``), so at staleness 0 the ratio
-is 1 whatever the sampler, and at staleness k it corrects towards the distribution a synchronous trainer would sample
-from at that version. A token the proximal policy's own truncation removes gets probability 0 there: its ratio is 0.
+transformers workers top-h, typical-p, epsilon and eta), renormalised over the tokens kept. Its log-prob there is mu.
+The importance ratio compares mu with the trainer's policy at the consumed version processed *the same way*
+(``processed_logps``), so at staleness 0 the ratio is 1 whatever the sampler, and at staleness k it corrects towards the
+distribution a synchronous trainer would sample from at that version. A token the proximal policy's own truncation
+removes gets probability 0 there: its ratio is 0.
 
 The two engines order the truncations differently, and the order changes the kept set:
 - transformers (``generate``): repetition penalty, temperature, top-h, top-k, top-p, min-p, then the rest;
@@ -36,17 +37,36 @@ EXTRA_TRANSFORMERS_WARPERS = ("typical_p", "epsilon_cutoff", "eta_cutoff", "top_
 # generation_kwargs that reshape the sampled-from distribution and are not rebuilt by ``processed_logps``
 UNREPRODUCED = {
     "transformers": (
-        "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "suppress_tokens",
-        "begin_suppress_tokens", "min_length", "forced_eos_token_id",
-        "exponential_decay_length_penalty", "encoder_repetition_penalty", "diversity_penalty", "guidance_scale",
-        "watermarking_config", "forced_decoder_ids", "logits_processor",
+        "no_repeat_ngram_size",
+        "encoder_no_repeat_ngram_size",
+        "bad_words_ids",
+        "sequence_bias",
+        "suppress_tokens",
+        "begin_suppress_tokens",
+        "min_length",
+        "forced_eos_token_id",
+        "exponential_decay_length_penalty",
+        "encoder_repetition_penalty",
+        "diversity_penalty",
+        "guidance_scale",
+        "watermarking_config",
+        "forced_decoder_ids",
+        "logits_processor",
     ),
     "vllm": (
-        "presence_penalty", "frequency_penalty", "logit_bias", "bad_words", "allowed_token_ids",
-        "logits_processors", "structured_outputs", "guided_decoding", "thinking_token_budget", "extra_args",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "bad_words",
+        "allowed_token_ids",
+        "logits_processors",
+        "structured_outputs",
+        "guided_decoding",
+        "thinking_token_budget",
+        "extra_args",
         *EXTRA_TRANSFORMERS_WARPERS,
     ),
-}  # fmt: skip
+}
 
 
 @dataclass(frozen=True)
@@ -72,9 +92,13 @@ class SamplingSettings:
     def reshapes(self) -> bool:
         """Whether the processed distribution differs from ``softmax(logits / temperature)``."""
         return (
-            self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0 or self.repetition_penalty != 1.0
-            or bool(self.extra_warpers) or self.min_new_tokens > 0
-        )  # fmt: skip
+            self.top_k > 0
+            or self.top_p < 1.0
+            or self.min_p > 0.0
+            or self.repetition_penalty != 1.0
+            or bool(self.extra_warpers)
+            or self.min_new_tokens > 0
+        )
 
 
 def _number(value, neutral):
@@ -89,8 +113,11 @@ def settings_of(engine: str, params: Mapping) -> SamplingSettings:
     extra = ()
     if engine == "transformers":
         neutral = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None}
-        extra = tuple((name, params[name]) for name in EXTRA_TRANSFORMERS_WARPERS
-                      if params.get(name) is not None and params[name] != neutral[name])  # fmt: skip
+        extra = tuple(
+            (name, params[name])
+            for name in EXTRA_TRANSFORMERS_WARPERS
+            if params.get(name) is not None and params[name] != neutral[name]
+        )
     return SamplingSettings(
         engine=engine,
         temperature=temperature,
@@ -196,7 +223,8 @@ def processed_logps(
 
 
 def unreproduced_settings(engine: str, generation_kwargs: Mapping | None) -> list[str]:
-    """The ``generation_kwargs`` keys that reshape ``engine``'s sampling in a way ``processed_logps`` does not rebuild."""
+    """The ``generation_kwargs`` keys that reshape ``engine``'s sampling in a way ``processed_logps`` does not
+    rebuild."""
     return [key for key in (generation_kwargs or {}) if key in UNREPRODUCED[engine]]
 
 
@@ -214,7 +242,7 @@ def proximal_logps(
     """``(log pi, log pi processed)`` of the completion tokens (``input_ids[:, prompt_width:]``) under ``model``, in
     chunks of ``batch_size`` rows: the softmax at ``temperature``, as GRPOTrainer's loss computes it, and the
     distribution the engine samples from (``processed_logps``; ``sampled``: GRPOTrainer's ``tool_mask``, 1 where
-    the engine sampled the token). One forward pass serves both."""  # fmt: skip
+    the engine sampled the token). One forward pass serves both."""
     steps = input_ids.size(1) - prompt_width
     chain = processors(settings, input_ids.device)
     full, processed = [], []
@@ -236,7 +264,7 @@ def refused_sampling(
     engine: str, fields: Mapping, generation_kwargs: Mapping | None, correcting: bool, bypass: bool
 ) -> tuple[str, str] | None:
     """``(field, why and the fix)`` when the off-policy correction cannot be exact with these sampling settings
-    (``fields``: GRPOConfig's temperature, top_k, top_p, min_p and repetition_penalty), else ``None``."""  # fmt: skip
+    (``fields``: GRPOConfig's temperature, top_k, top_p, min_p and repetition_penalty), else ``None``."""
     kwargs = dict(generation_kwargs or {})
     if correcting and (unreproduced := unreproduced_settings(engine, kwargs)):
         return "generation_kwargs", (

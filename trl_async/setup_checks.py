@@ -89,8 +89,9 @@ def check_vocabulary(tokenizer, vocab: int | None) -> None:
     )
 
 
-def refuse_before_loading(model, args, train_dataset, quantization_config, rollout_func, tools,
-                          environment_factory) -> None:  # fmt: skip
+def refuse_before_loading(
+    model, args, train_dataset, quantization_config, rollout_func, tools, environment_factory
+) -> None:
     """What AsyncGRPOTrainer refuses among GRPOTrainer's arguments, checked before any model is loaded."""
     if rollout_func is not None and (tools or environment_factory is not None):
         raise NotImplementedError(

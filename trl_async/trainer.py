@@ -124,15 +124,19 @@ class AsyncGRPOTrainer(CorrectionSeam, GRPOTrainer):
         settle_rollout_device(self.async_args, self.accelerator.device)  # transformers workers: CPU or which GPU
         self._colocated_gpus = (  # vllm_mode='colocate': the GPUs of each server the main process starts
             trainer_gpu_groups(self.accelerator, self.args.vllm_tensor_parallel_size)
-            if self.async_args.vllm_colocate else None
-        )  # fmt: skip
+            if self.async_args.vllm_colocate
+            else None
+        )
         check_after_loading(self)
         self._sampling = rollout_sampling(self)  # what the engines apply to the logits: the ratio applies it too
         self._sampling_differs = self._sampling.differs_from(self.temperature)
         self._publisher = WeightPublisher(  # LoRA: workers get the base once, then only the adapters
-            lambda: self.accelerator.unwrap_model(self.model), self._dist, self.async_args,
-            self.accelerator.num_processes, self.accelerator.is_main_process,
-        )  # fmt: skip
+            lambda: self.accelerator.unwrap_model(self.model),
+            self._dist,
+            self.async_args,
+            self.accelerator.num_processes,
+            self.accelerator.is_main_process,
+        )
         # under ZeRO-3 a collective: every rank gathers each sharded reward model, the main process keeps a copy
         self._scoring_reward_funcs = unsharded_reward_models(
             self.reward_funcs, self._dist, self.accelerator.is_main_process, self.accelerator.device
@@ -293,8 +297,11 @@ class AsyncGRPOTrainer(CorrectionSeam, GRPOTrainer):
         # environments ran in the background (each episode reset its own instance): GRPOTrainer must not reset its
         # own again (nor one an evaluation left), and sees each row's prompt as the episode saw it. rollout_func ran
         # in the background: GRPOTrainer gets its recorded output for these rows instead.
-        replay = None if self.rollout_func is None else (
-            lambda prompts, trainer: replayed_output([(g.group, j) for g, j in local]))  # fmt: skip
+        replay = (
+            None
+            if self.rollout_func is None
+            else (lambda prompts, trainer: replayed_output([(g.group, j) for g, j in local]))
+        )
         try:
             with swapped(self, environment_factories=None, environments=None, rollout_func=replay):
                 # each row as the pool read it when the group was admitted: the reading the workers sampled from
@@ -308,10 +315,15 @@ class AsyncGRPOTrainer(CorrectionSeam, GRPOTrainer):
             self._log_trajectories(local, output["advantages"])
         metrics = self._metrics["train"]
         pool = self._pool
-        extra = batch_metrics(stats, groups, self.async_args.max_staleness,
-                              worker_restarts=pool.lane_restarts if pool is not None else 0,
-                              abandoned_groups=None if self.environment_factories is None else
-                              (pool.abandoned_groups if pool is not None else 0))  # fmt: skip
+        extra = batch_metrics(
+            stats,
+            groups,
+            self.async_args.max_staleness,
+            worker_restarts=pool.lane_restarts if pool is not None else 0,
+            abandoned_groups=None
+            if self.environment_factories is None
+            else (pool.abandoned_groups if pool is not None else 0),
+        )
         for name, value in extra.items():
             metrics[name].append(value)
         self._live = {

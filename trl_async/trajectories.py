@@ -1,15 +1,15 @@
 """An audit trail of what was trained on: one JSON line per completion consumed.
 
-Each line: optimizer ``step``, ``group_id``, ``worker_id`` (the lane: a worker process's or vLLM server's index), ``prompt_index``, ``prompt`` (the dataset's prompt, text
-or messages), ``completion`` (decoded text), ``rewards`` (every reward function's value, ``null`` for None/NaN),
-``advantage``, ``staleness``, ``versions`` (the policy version of each completion token), and the token ids with the
-behaviour log-probs, enough to recompute every importance weight: ``prompt_ids``, ``completion_ids`` and ``logprobs``
-(mu of each completion token under the distribution it was sampled from; ``null`` where the backend gave none).
-Multi-turn episodes (``tools``) add ``tool_mask`` (0 for tool-result tokens, whose log-prob is a 0.0 placeholder) and
-``turns``: per assistant turn, the versions its tokens were sampled with, its length and worker, and its
-``tool_calls`` (name, arguments, result cut to 500 characters, failed) with ``rolled_back`` when the results would
-have overflowed ``max_completion_length``. Generated text is written as data only; nothing here interprets it.
-"""
+Each line: optimizer ``step``, ``group_id``, ``worker_id`` (the lane: a worker process's or vLLM server's index),
+``prompt_index``, ``prompt`` (the dataset's prompt, text or messages), ``completion`` (decoded text), ``rewards`` (every
+reward function's value, ``null`` for None/NaN), ``advantage``, ``staleness``, ``versions`` (the policy version of each
+completion token), and the token ids with the behaviour log-probs, enough to recompute every importance weight:
+``prompt_ids``, ``completion_ids`` and ``logprobs`` (mu of each completion token under the distribution it was sampled
+from; ``null`` where the backend gave none). Multi-turn episodes (``tools``) add ``tool_mask`` (0 for tool-result
+tokens, whose log-prob is a 0.0 placeholder) and ``turns``: per assistant turn, the versions its tokens were sampled
+with, its length and worker, and its ``tool_calls`` (name, arguments, result cut to 500 characters, failed) with
+``rolled_back`` when the results would have overflowed ``max_completion_length``. Generated text is written as data
+only; nothing here interprets it."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """``AsyncGRPOConfig``: ``trl.GRPOConfig`` plus the few fields asynchronous training needs.
 
-The async fields live once, in ``AsyncFields`` (``async_fields.py``); ``AsyncGRPOConfig`` mixes them into ``GRPOConfig``,
-and a plain ``GRPOConfig`` given to the trainer gets ``AsyncFields()`` defaults. Building the settings takes two
-steps: ``defaults.resolve_defaults`` fills what depends on GRPO's own fields, then ``checks.check_async_fields``
-validates every field (``ValueError`` naming the field and the fix).
-"""
+The async fields live once, in ``AsyncFields`` (``async_fields.py``); ``AsyncGRPOConfig`` mixes them into
+``GRPOConfig``, and a plain ``GRPOConfig`` given to the trainer gets ``AsyncFields()`` defaults. Building the settings
+takes two steps: ``defaults.resolve_defaults`` fills what depends on GRPO's own fields, then
+``checks.check_async_fields`` validates every field (``ValueError`` naming the field and the fix)."""
 
 from __future__ import annotations
 
@@ -53,16 +52,20 @@ def settle(settings: AsyncFields, args) -> AsyncFields:
 
 def async_fields_of(args: GRPOConfig) -> AsyncFields:
     """The async settings of ``args``: its own for an ``AsyncGRPOConfig``, the defaults for a plain ``GRPOConfig``."""
-    settings = AsyncFields(**{f.name: getattr(args, f.name) for f in fields(AsyncFields)
-                              if f.init and hasattr(args, f.name)})  # fmt: skip
+    settings = AsyncFields(
+        **{f.name: getattr(args, f.name) for f in fields(AsyncFields) if f.init and hasattr(args, f.name)}
+    )
     return settle(settings, args)
 
 
 def trl_engine_fields(args) -> dict:
     """GRPOConfig's fields that the async settings resolve against."""
-    return {"loss_type": getattr(args, "loss_type", None), "use_vllm": getattr(args, "use_vllm", False),
-            "vllm_mode": getattr(args, "vllm_mode", "colocate"),
-            "vllm_enable_sleep_mode": getattr(args, "vllm_enable_sleep_mode", False)}  # fmt: skip
+    return {
+        "loss_type": getattr(args, "loss_type", None),
+        "use_vllm": getattr(args, "use_vllm", False),
+        "vllm_mode": getattr(args, "vllm_mode", "colocate"),
+        "vllm_enable_sleep_mode": getattr(args, "vllm_enable_sleep_mode", False),
+    }
 
 
 def for_grpo_trainer(args):

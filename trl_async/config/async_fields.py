@@ -187,9 +187,9 @@ class AsyncFields(ResolvedDefaults):
             "help": "dtype the rollout workers generate in ('float32', 'bfloat16', 'float16'). Default: the dtype "
             "the trainer computes in: bfloat16 with `bf16=True` (float32 weights under autocast), float16 with "
             "`fp16=True`, where the workers' device computes that dtype natively (trl_async.precision: AVX512-BF16 "
-            "or AMX on x86 CPUs), else the weights' dtype (and always the weights' dtype with rollout_verify_weights). A "
-            "precision other than the trainer's is corrected like staleness: behaviour log-probs come from the "
-            "worker, pi_prox from the trainer."
+            "or AMX on x86 CPUs), else the weights' dtype (and always the weights' dtype with "
+            "rollout_verify_weights). A precision other than the trainer's is corrected like staleness: behaviour "
+            "log-probs come from the worker, pi_prox from the trainer."
         },
     )
     rollout_timeout_s: float = field(
@@ -323,13 +323,14 @@ class AsyncFields(ResolvedDefaults):
     rollout_lora_sync: LoraSync = field(
         default="adapters",
         metadata={
-            "help": "With a LoRA peft_config, what a weight sync sends the rollout workers or vLLM servers. 'adapters': "
-            "the frozen base once, then only the adapter factors of each version (tens of MB instead of the whole "
-            "model): the transformers workers merge them themselves; each vLLM server loads each version as a named "
-            "adapter (files in rollout_vllm_adapter_dir; start it with --enable-lora --max-lora-rank R --max-loras "
-            "max_staleness+2). 'merged': the merged full weights every time. 'adapters' falls back to 'merged', "
-            "saying why once, for LoRA on embeddings, trainable parameters outside the adapters (modules_to_save, "
-            "bias='all' or 'lora_only'), and a vLLM server without LoRA or with a smaller --max-lora-rank.",
+            "help": "With a LoRA peft_config, what a weight sync sends the rollout workers or vLLM servers. "
+            "'adapters': the frozen base once, then only the adapter factors of each version (tens of MB instead of "
+            "the whole model): the transformers workers merge them themselves; each vLLM server loads each version as "
+            "a named adapter (files in rollout_vllm_adapter_dir; start it with --enable-lora --max-lora-rank R "
+            "--max-loras max_staleness+2). 'merged': the merged full weights every time. 'adapters' falls back to "
+            "'merged', saying why once, for LoRA on embeddings, trainable parameters outside the adapters "
+            "(modules_to_save, bias='all' or 'lora_only'), and a vLLM server without LoRA or with a smaller "
+            "--max-lora-rank.",
         },
     )
 

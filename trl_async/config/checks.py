@@ -66,7 +66,7 @@ def optional_path(value) -> bool:
 def server_urls(value) -> bool:
     return value is None or (
         isinstance(value, (list, tuple))
-        and all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in value)  # fmt: skip
+        and all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in value)
     )
 
 
@@ -141,23 +141,37 @@ def check_async_fields(settings, loss_type: str | None = None) -> None:
 
 def check_staleness_bound(s) -> None:
     if s.weight_sync_steps > s.max_staleness + 1:
-        refuse(s, "weight_sync_steps",
-               f"with max_staleness={s.max_staleness} the trainer would wait for samples no worker may generate; "
-               f"set weight_sync_steps <= {s.max_staleness + 1} or raise max_staleness to >= "
-               f"{s.weight_sync_steps - 1}")  # fmt: skip
+        refuse(
+            s,
+            "weight_sync_steps",
+            f"with max_staleness={s.max_staleness} the trainer would wait for samples no worker may generate; "
+            f"set weight_sync_steps <= {s.max_staleness + 1} or raise max_staleness to >= "
+            f"{s.weight_sync_steps - 1}",
+        )
 
 
 def check_engine_only_fields(s) -> None:
     """Fields that mean something to one engine only."""
     if s.rollout_backend == "vllm" and s.rollout_verify_weights:
-        refuse(s, "rollout_verify_weights", "weight hashing is for the transformers workers; with vLLM the "
-               "greedy-output check in the tests covers the push. Set it to False")  # fmt: skip
+        refuse(
+            s,
+            "rollout_verify_weights",
+            "weight hashing is for the transformers workers; with vLLM the "
+            "greedy-output check in the tests covers the push. Set it to False",
+        )
     if s.rollout_dtype is not None and s.rollout_backend != "transformers":
-        refuse(s, "rollout_dtype", "it sets the transformers workers' dtype; a vLLM server's dtype is its own "
-               "`--dtype`. Set it to None")  # fmt: skip
+        refuse(
+            s,
+            "rollout_dtype",
+            "it sets the transformers workers' dtype; a vLLM server's dtype is its own `--dtype`. Set it to None",
+        )
     if s.rollout_dtype is not None and s.rollout_verify_weights:
-        refuse(s, "rollout_verify_weights", "workers converting weights to rollout_dtype cannot reproduce the "
-               "trainer's bytes. Set one of them back to its default")  # fmt: skip
+        refuse(
+            s,
+            "rollout_verify_weights",
+            "workers converting weights to rollout_dtype cannot reproduce the "
+            "trainer's bytes. Set one of them back to its default",
+        )
 
 
 def check_generation_kwargs(s) -> None:
@@ -169,9 +183,13 @@ def check_generation_kwargs(s) -> None:
             refuse(s, "generation_kwargs", refused)
         return
     if "n" in kwargs:
-        refuse(s, "generation_kwargs", "'n' (vLLM's completions per request) would replace num_generations behind "
-               "the trainer's back, and each group would hold a different number of completions than GRPOTrainer's "
-               "advantages assume: remove 'n' and set num_generations")  # fmt: skip
+        refuse(
+            s,
+            "generation_kwargs",
+            "'n' (vLLM's completions per request) would replace num_generations behind "
+            "the trainer's back, and each group would hold a different number of completions than GRPOTrainer's "
+            "advantages assume: remove 'n' and set num_generations",
+        )
     temperature = kwargs.get("temperature")
     if temperature is not None and temperature < VLLM_GREEDY_BELOW:
         refuse(
@@ -181,9 +199,13 @@ def check_generation_kwargs(s) -> None:
             "refuses more than one completion per request (num_generations): use a temperature of at least 1e-5",
         )
     if (kwargs.get("num_beams") or 1) > 1:
-        refuse(s, "rollout_backend", f"generation_kwargs num_beams={kwargs['num_beams']} is transformers' beam "
-               "search; a vLLM server's sampling parameters have no num_beams (vLLM's generation_kwargs are its "
-               "SamplingParams). Remove num_beams, or use rollout_backend='transformers'")  # fmt: skip
+        refuse(
+            s,
+            "rollout_backend",
+            f"generation_kwargs num_beams={kwargs['num_beams']} is transformers' beam "
+            "search; a vLLM server's sampling parameters have no num_beams (vLLM's generation_kwargs are its "
+            "SamplingParams). Remove num_beams, or use rollout_backend='transformers'",
+        )
 
 
 def check_sampling(s) -> None:
@@ -192,14 +214,23 @@ def check_sampling(s) -> None:
     beams = kwargs.get("num_beams") or 1
     if beams > 1:  # beam tokens have no mu, so no ratio: they train uncorrected, unless the bypass needs mu
         if s.off_policy_bypass:
-            refuse(s, "off_policy_bypass", f"generation_kwargs num_beams={beams} is beam search, which samples from "
-                   "no distribution: its tokens have no behaviour log-prob, and the bypass takes that log-prob as "
-                   "the proximal policy (every beam token would leave the loss). Use off_policy_bypass=False (beam "
-                   "tokens then train uncorrected, ratio 1, as with GRPOTrainer) or num_beams=1")  # fmt: skip
+            refuse(
+                s,
+                "off_policy_bypass",
+                f"generation_kwargs num_beams={beams} is beam search, which samples from "
+                "no distribution: its tokens have no behaviour log-prob, and the bypass takes that log-prob as "
+                "the proximal policy (every beam token would leave the loss). Use off_policy_bypass=False (beam "
+                "tokens then train uncorrected, ratio 1, as with GRPOTrainer) or num_beams=1",
+            )
         return
     sampler_fields = {name: getattr(s, name, None) for name in SAMPLER_FIELDS}
-    refused = refused_sampling(s.rollout_backend, sampler_fields, kwargs,
-                               s.off_policy_correction != "none" or s.off_policy_bypass, s.off_policy_bypass)  # fmt: skip
+    refused = refused_sampling(
+        s.rollout_backend,
+        sampler_fields,
+        kwargs,
+        s.off_policy_correction != "none" or s.off_policy_bypass,
+        s.off_policy_bypass,
+    )
     if refused is not None:
         refuse(s, *refused)
 
@@ -210,16 +241,23 @@ def check_vespo(s, loss_type: str | None) -> None:
     # would zero its whole sequence, and a sequence weight would be raised to the power of the length. Truncation
     # composes: log min(rho, C) per token is VESPO's own token-truncated weight.
     if loss_type == "vespo" and s.off_policy_correction not in ("tis", "none") and not s.off_policy_bypass:
-        refuse(s, "off_policy_correction", "with loss_type='vespo' use 'tis' (the default there): VESPO sums the log "
-               "of every token's weight into one sequence weight, so a token dropped by 'decoupled'/'mask' (w = 0) "
-               "would silence its whole sequence and a 'seq_*' weight would count once per token")  # fmt: skip
+        refuse(
+            s,
+            "off_policy_correction",
+            "with loss_type='vespo' use 'tis' (the default there): VESPO sums the log "
+            "of every token's weight into one sequence weight, so a token dropped by 'decoupled'/'mask' (w = 0) "
+            "would silence its whole sequence and a 'seq_*' weight would count once per token",
+        )
 
 
 def check_cpu_affinity(s) -> None:
     allowed = allowed_cores()
     if allowed is None:
-        refuse(s, "rollout_cpu_affinity", "this OS does not let a process choose its cores (no "
-               "os.sched_setaffinity); leave it None")  # fmt: skip
+        refuse(
+            s,
+            "rollout_cpu_affinity",
+            "this OS does not let a process choose its cores (no os.sched_setaffinity); leave it None",
+        )
     try:
         split_cores(parse_cpu_list(s.rollout_cpu_affinity), allowed, s.num_rollout_workers)
     except ValueError as exc:

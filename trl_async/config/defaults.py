@@ -25,13 +25,19 @@ def available_cores() -> int:
     return len(cores) if cores else os.cpu_count() or 1
 
 
-def resolve_defaults(settings, loss_type: str | None = None, use_vllm: bool = False, vllm_mode: str = "colocate",
-                     vllm_enable_sleep_mode: bool = False) -> None:  # fmt: skip
+def resolve_defaults(
+    settings,
+    loss_type: str | None = None,
+    use_vllm: bool = False,
+    vllm_mode: str = "colocate",
+    vllm_enable_sleep_mode: bool = False,
+) -> None:
     """Fill the defaults of ``settings`` (an ``AsyncFields``) that GRPO's own fields decide: ``rollout_backend`` and
     ``vllm_colocate`` from ``use_vllm``/``vllm_mode`` (``ValueError`` when they disagree), and
     ``off_policy_correction`` from ``loss_type`` ('tis' under VESPO, else 'decoupled')."""
-    choice = rollout_engine(settings.rollout_backend, use_vllm, vllm_mode, settings.rollout_vllm_urls,
-                            vllm_enable_sleep_mode)  # fmt: skip
+    choice = rollout_engine(
+        settings.rollout_backend, use_vllm, vllm_mode, settings.rollout_vllm_urls, vllm_enable_sleep_mode
+    )
     settings.rollout_backend, settings.vllm_colocate = choice.backend, choice.colocate
     if settings.off_policy_correction is None:
         settings.off_policy_correction = "tis" if loss_type == "vespo" else "decoupled"

@@ -1,11 +1,10 @@
 """Greedy held-out accuracy, logged with the trainer's own evaluation.
 
 GRPOTrainer's ``evaluate`` samples completions (``temperature``, ``num_generations_eval``) and logs their mean reward as
-``eval_reward``: a noisy measure of a policy. ``GreedyAccuracyCallback`` adds the number users judge a model by: on every
-evaluation, one greedy completion per ``eval_dataset`` prompt from the trainer's current weights, scored by a reward
-function (1.0 = correct), logged as ``eval_greedy_accuracy`` beside TRL's eval metrics. Works with ``GRPOTrainer`` and
-``AsyncGRPOTrainer`` alike, and under ZeRO-3 (every rank takes part in the gathered generation).
-"""
+``eval_reward``: a noisy measure of a policy. ``GreedyAccuracyCallback`` adds the number users judge a model by: on
+every evaluation, one greedy completion per ``eval_dataset`` prompt from the trainer's current weights, scored by a
+reward function (1.0 = correct), logged as ``eval_greedy_accuracy`` beside TRL's eval metrics. Works with
+``GRPOTrainer`` and ``AsyncGRPOTrainer`` alike, and under ZeRO-3 (every rank takes part in the gathered generation)."""
 
 from __future__ import annotations
 
@@ -38,10 +37,16 @@ def greedy_completions(trainer, prompts: list, max_new_tokens: int, batch_size: 
             chunk = prompts[start : start + batch_size]
             if is_conversational({"prompt": chunk[0]}):
                 batch = tokenizer.apply_chat_template(
-                    chunk, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt",
-                    padding=True, tokenizer_kwargs={"padding_side": "left"}, chat_template=trainer.chat_template,
+                    chunk,
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=True,
+                    return_tensors="pt",
+                    padding=True,
+                    tokenizer_kwargs={"padding_side": "left"},
+                    chat_template=trainer.chat_template,
                     **(trainer.chat_template_kwargs or {}),
-                )  # fmt: skip
+                )
             else:
                 batch = tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left")
             batch = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
@@ -50,9 +55,12 @@ def greedy_completions(trainer, prompts: list, max_new_tokens: int, batch_size: 
             # and one after bf16 autocast, a difference that is no learning
             with trainer.accelerator.autocast():
                 out = model.generate(
-                    **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                    **batch,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id,
                     synced_gpus=trainer._dist.is_zero3,
-                )  # fmt: skip
+                )
             completions += tokenizer.batch_decode(out[:, batch["input_ids"].size(1) :], skip_special_tokens=True)
         model.train(was_training)
     return completions
@@ -89,8 +97,10 @@ class GreedyAccuracyCallback(TrainerCallback):
         self.also = dict(also or {})
         taken = {"accuracy", "seconds"} & set(self.also)  # reward_func's score, and the logged eval_greedy_seconds
         if taken:
-            raise ValueError(f"GreedyAccuracyCallback: `also` may not use the names {sorted(taken)}: they are logged "
-                             "already (eval_greedy_accuracy, eval_greedy_seconds); rename them")  # fmt: skip
+            raise ValueError(
+                f"GreedyAccuracyCallback: `also` may not use the names {sorted(taken)}: they are logged "
+                "already (eval_greedy_accuracy, eval_greedy_seconds); rename them"
+            )
         self.history: list[tuple[int, float]] = []
         self.scores: list[tuple[int, dict[str, float]]] = []
 
@@ -105,5 +115,9 @@ class GreedyAccuracyCallback(TrainerCallback):
         scores = self.measure_all()
         self.history.append((state.global_step, scores["accuracy"]))
         self.scores.append((state.global_step, scores))
-        self.trainer.log({**{f"eval_greedy_{name}": value for name, value in scores.items()},
-                          "eval_greedy_seconds": time.perf_counter() - start})  # fmt: skip
+        self.trainer.log(
+            {
+                **{f"eval_greedy_{name}": value for name, value in scores.items()},
+                "eval_greedy_seconds": time.perf_counter() - start,
+            }
+        )

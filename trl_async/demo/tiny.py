@@ -75,8 +75,18 @@ def save_tiny_model(path: str | Path, chars: str = DEFAULT_CHARS, **model_kwargs
 
 
 # ---- a tiny tool-calling model (multi-turn tests and the agentic benchmark) ----------------------------------------
-TOOL_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
-                       "<tool_response>", "</tool_response>", "<think>", "</think>", "<unk>"]  # fmt: skip
+TOOL_SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+    "<unk>",
+]
 
 
 def build_tool_tokenizer(corpus: list[str], vocab_size: int = 1000) -> PreTrainedTokenizerFast:
@@ -90,14 +100,20 @@ def build_tool_tokenizer(corpus: list[str], vocab_size: int = 1000) -> PreTraine
     backend = Tokenizer(models.BPE(unk_token="<unk>"))
     backend.decoder = decoders.Fuse()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=TOOL_SPECIAL_TOKENS, initial_alphabet=list(string.printable),
+        vocab_size=vocab_size,
+        special_tokens=TOOL_SPECIAL_TOKENS,
+        initial_alphabet=list(string.printable),
         show_progress=False,
-    )  # fmt: skip
+    )
     backend.train_from_iterator(corpus, trainer)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<unk>",
-        additional_special_tokens=TOOL_SPECIAL_TOKENS[3:9], padding_side="left",
-    )  # fmt: skip
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<unk>",
+        additional_special_tokens=TOOL_SPECIAL_TOKENS[3:9],
+        padding_side="left",
+    )
     tokenizer.chat_template = qwen3_chat_template
     return tokenizer
 
@@ -110,12 +126,14 @@ def render_text(conversation: list[dict], tools: list | None, add_generation_pro
     renderer = build_char_tokenizer()
     renderer.chat_template = qwen3_chat_template
     template = get_training_chat_template(renderer) or qwen3_chat_template
-    return renderer.apply_chat_template(conversation, tools=tools, chat_template=template, tokenize=False,
-                                        add_generation_prompt=add_generation_prompt)  # fmt: skip
+    return renderer.apply_chat_template(
+        conversation, tools=tools, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
 
 
-def fit_sequences(model, sequences: list[tuple[list[int], list[int]]], steps: int = 300, lr: float = 3e-3,
-                  seed: int = 0) -> float:  # fmt: skip
+def fit_sequences(
+    model, sequences: list[tuple[list[int], list[int]]], steps: int = 300, lr: float = 3e-3, seed: int = 0
+) -> float:
     """Teach ``model`` to continue each ``(context, target)`` with ``target`` (cross-entropy on the target tokens
     only; full batch, Adam). Returns the final loss. A few hundred steps make a tiny model's greedy output the
     targets, so tests can drive real tool calls through real worker processes."""
@@ -142,8 +160,15 @@ def fit_sequences(model, sequences: list[tuple[list[int], list[int]]], steps: in
     return float(loss)
 
 
-def build_tool_model(path: str | Path, episodes: dict[str, list[tuple[str, list[str]]]], tools: list,
-                     fit_steps: int = 400, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4) -> Path:  # fmt: skip
+def build_tool_model(
+    path: str | Path,
+    episodes: dict[str, list[tuple[str, list[str]]]],
+    tools: list,
+    fit_steps: int = 400,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+) -> Path:
     """Save a tiny tool-calling model under ``path`` whose turns follow ``episodes``: for each user prompt, a list
     of ``(assistant turn text, tool results after it)``; the model is fitted to say turn ``r + 1`` after turn ``r``
     followed by any of those results (the last turn has none). A turn that is a call is written as
@@ -174,16 +199,32 @@ def build_tool_model(path: str | Path, episodes: dict[str, list[tuple[str, list[
 
     path = Path(path)
     user = {prompt: [{"role": "user", "content": prompt}] for prompt in episodes}
-    corpus = [render_text(user[p] + m, tools, add_generation_prompt=True) + t + "<|im_end|>"
-              for p, turns in episodes.items() for m, t in histories(turns)]  # fmt: skip
+    corpus = [
+        render_text(user[p] + m, tools, add_generation_prompt=True) + t + "<|im_end|>"
+        for p, turns in episodes.items()
+        for m, t in histories(turns)
+    ]
     tokenizer = build_tool_tokenizer(corpus)
     template = get_training_chat_template(tokenizer)
-    owner = SimpleNamespace(_is_vlm=False, processing_class=tokenizer, _tokenizer=tokenizer, chat_template=template,
-                            chat_template_kwargs={})  # fmt: skip
+    owner = SimpleNamespace(
+        _is_vlm=False,
+        processing_class=tokenizer,
+        _tokenizer=tokenizer,
+        chat_template=template,
+        chat_template_kwargs={},
+    )
     sequences = []
     for prompt, turns in episodes.items():
-        context = list(tokenizer.apply_chat_template(user[prompt], tools=tools, chat_template=template,
-                                                     add_generation_prompt=True, tokenize=True, return_dict=False))  # fmt: skip
+        context = list(
+            tokenizer.apply_chat_template(
+                user[prompt],
+                tools=tools,
+                chat_template=template,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        )
         for messages, text in histories(turns):
             ids = list(context)
             for i in range(0, len(messages), 2):  # (assistant turn, tool result) pairs, as the trainer splices them
@@ -191,8 +232,13 @@ def build_tool_model(path: str | Path, episodes: dict[str, list[tuple[str, list[
                 ids += GRPOTrainer._get_tool_suffix_ids(owner, [messages[i + 1]])
             sequences.append((ids, tokenizer.encode(text + "<|im_end|>", add_special_tokens=False)))
     longest = max(len(c) + len(t) for c, t in sequences)
-    model = build_tiny_model(tokenizer, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-                             max_position_embeddings=4 * longest)  # fmt: skip
+    model = build_tiny_model(
+        tokenizer,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        max_position_embeddings=4 * longest,
+    )
     loss = fit_sequences(model, sequences, steps=fit_steps)
     if loss > 0.05:
         raise RuntimeError(f"the tiny tool-calling model did not fit its turns (loss {loss:.3f})")

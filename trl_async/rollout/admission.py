@@ -31,8 +31,9 @@ class AdmissionLedger:
         """Groups that may have been admitted in total, under both bounds."""
         if self.published is None:
             return 0
-        by_staleness = max_groups_admitted(self.published, self.max_staleness, self.groups_per_batch,
-                                           self.steps_per_batch, self.start_version)  # fmt: skip
+        by_staleness = max_groups_admitted(
+            self.published, self.max_staleness, self.groups_per_batch, self.steps_per_batch, self.start_version
+        )
         return min(by_staleness, self.consumed + self.queue_size)
 
     def room(self) -> int:

@@ -28,8 +28,11 @@ class EnvironmentPool:
 
 def environment_tools(instance) -> list:
     """The methods GRPOTrainer exposes as tools: public functions of the class but ``reset`` and ``get_reward``."""
-    return [getattr(instance, name) for name, _ in inspect.getmembers(type(instance), predicate=inspect.isfunction)
-            if name not in ("reset", "get_reward") and not name.startswith("_")]  # fmt: skip
+    return [
+        getattr(instance, name)
+        for name, _ in inspect.getmembers(type(instance), predicate=inspect.isfunction)
+        if name not in ("reset", "get_reward") and not name.startswith("_")
+    ]
 
 
 def with_observation(prompt: list[dict], observation) -> list[dict]:

@@ -48,8 +48,10 @@ from ..records import RolloutGroup, RolloutTask
 from .environments import EnvironmentPool, environment_tools, with_observation
 from .tool_calls import ToolResults, ToolRunner, calls_not_run, split_tools
 
-ENVIRONMENT_BUSY = ("not run: an earlier call of this episode timed out (rollout_tool_timeout_s) and may still be running "
-                    "on its environment")  # fmt: skip
+ENVIRONMENT_BUSY = (
+    "not run: an earlier call of this episode timed out (rollout_tool_timeout_s) and may still be running "
+    "on its environment"
+)
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +81,9 @@ class Episode:
     def context(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
 
-    def add_turn(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int], parsed: dict,
-                 lane_id: int) -> None:  # fmt: skip
+    def add_turn(
+        self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int], parsed: dict, lane_id: int
+    ) -> None:
         """Append a sampled turn (already within the budget) and its parsed message (``{}``: nothing to add)."""
         self.completion_ids += ids
         self.logprobs += logprobs
@@ -95,8 +98,9 @@ class Episode:
         calls = parsed.get("tool_calls") if parsed else None
         return list(calls) if calls and self.rounds < max_rounds else []
 
-    def add_tool_results(self, results: ToolResults, suffix_ids: Sequence[int], max_completion_length: int,
-                         max_model_len: int | None) -> bool:  # fmt: skip
+    def add_tool_results(
+        self, results: ToolResults, suffix_ids: Sequence[int], max_completion_length: int, max_model_len: int | None
+    ) -> bool:
         """Append the tool messages and their suffix tokens; ``False`` (rolled back, nothing appended) when they
         would overflow ``max_completion_length`` or reach ``max_model_len``, as GRPOTrainer does."""
         self.timed_out = self.timed_out or results.timeouts > 0
@@ -152,14 +156,29 @@ class EpisodeRunner:
     ``on_turn`` (the pool's collector thread), tool results from the ``ToolRunner``'s threads; the runner asks for
     later turns with ``submit_turn``, hands finished groups to ``finished`` and reports its own errors to ``fail``."""
 
-    def __init__(self, *, tokenizer, chat_template: str | None, chat_template_kwargs: dict, tools: list,
-                 max_rounds: int, max_completion_length: int, max_model_len: int | None, tool_runner: ToolRunner,
-                 tool_dicts: tuple[dict, dict], submit_turn: Callable[[RolloutTask], None],
-                 finished: Callable[[RolloutGroup], None], fail: Callable[[BaseException], None],
-                 environments: EnvironmentPool | None = None, standalone_tools: Sequence = (),
-                 schema_tools: dict | None = None, multi_environment: bool = False,
-                 row: Callable[[int], dict] | None = None, num_generations: int = 1,
-                 abandon: Callable[[RolloutTask, str], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        tokenizer,
+        chat_template: str | None,
+        chat_template_kwargs: dict,
+        tools: list,
+        max_rounds: int,
+        max_completion_length: int,
+        max_model_len: int | None,
+        tool_runner: ToolRunner,
+        tool_dicts: tuple[dict, dict],
+        submit_turn: Callable[[RolloutTask], None],
+        finished: Callable[[RolloutGroup], None],
+        fail: Callable[[BaseException], None],
+        environments: EnvironmentPool | None = None,
+        standalone_tools: Sequence = (),
+        schema_tools: dict | None = None,
+        multi_environment: bool = False,
+        row: Callable[[int], dict] | None = None,
+        num_generations: int = 1,
+        abandon: Callable[[RolloutTask, str], None] | None = None,
+    ) -> None:
         """With ``environments``: the dataset rows (``row(group_id)``: as the pool read it at admission) start
         episodes (``reset``), ``schema_tools`` maps an environment
         name to the tools its prompts render (GRPOTrainer's ``_env_tools``), ``abandon`` takes back a group whose
@@ -179,11 +198,16 @@ class EpisodeRunner:
         self.submit_turn, self.finished, self.fail = submit_turn, finished, fail
         # GRPOTrainer's own suffix rendering, on our tokenizer copy (it reads only these attributes)
         self._suffix_owner = SimpleNamespace(
-            _is_vlm=False, processing_class=tokenizer, _tokenizer=tokenizer, chat_template=chat_template,
+            _is_vlm=False,
+            processing_class=tokenizer,
+            _tokenizer=tokenizer,
+            chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
-        )  # fmt: skip
-        self._can_parse = (getattr(tokenizer, "response_template", None) is not None
-                           or getattr(tokenizer, "response_schema", None) is not None)  # fmt: skip
+        )
+        self._can_parse = (
+            getattr(tokenizer, "response_template", None) is not None
+            or getattr(tokenizer, "response_schema", None) is not None
+        )
         self._groups: dict[int, _Group] = {}
         self._events: queue.Queue = queue.Queue()
         self._closed = threading.Event()
@@ -214,9 +238,14 @@ class EpisodeRunner:
     def _release(self, group: _Group) -> None:
         """Back to the pool, except an instance a timed-out call may still be using (it is dropped: the pool makes a
         new one when needed)."""
-        self.environments.release(group.environment, [
-            instance for instance, episode in zip(group.instances, group.episodes, strict=False)
-            if not episode.timed_out])  # fmt: skip
+        self.environments.release(
+            group.environment,
+            [
+                instance
+                for instance, episode in zip(group.instances, group.episodes, strict=False)
+                if not episode.timed_out
+            ],
+        )
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the runner: its thread is joined, then every environment instance goes back to the pool. An event
@@ -226,8 +255,11 @@ class EpisodeRunner:
         self._events.put(None)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
-            logger.warning("closing the episode runner: a reset or tool call still runs after %.0fs; its environments "
-                           "are released when it returns", timeout_s)  # fmt: skip
+            logger.warning(
+                "closing the episode runner: a reset or tool call still runs after %.0fs; its environments "
+                "are released when it returns",
+                timeout_s,
+            )
         else:
             self._release_all()  # the thread has stopped (it released them itself if it saw the close)
 
@@ -270,8 +302,10 @@ class EpisodeRunner:
         row = self.row(task.group_id)
         name = row.get("environment") if self.multi_environment else None
         if name not in self.environments.factories:
-            raise ValueError(f"train_dataset row {task.prompt_index} has environment={name!r}, which is not among the "
-                             f"environments passed to environment_factory: {list(self.environments.factories)}")  # fmt: skip
+            raise ValueError(
+                f"train_dataset row {task.prompt_index} has environment={name!r}, which is not among the "
+                f"environments passed to environment_factory: {list(self.environments.factories)}"
+            )
         kwargs = {k: v for k, v in row.items() if k != "environment"} if self.multi_environment else row
         prompt = row.get("prompt", [{"role": "user", "content": ""}])
         group = _Group(None, task.admitted_at_version, [], environment=name)
@@ -295,16 +329,26 @@ class EpisodeRunner:
             group.episodes.append(episode)
         if self._closed.is_set():
             return
-        self.submit_turn(replace(task, prompt_ids=tuple(group.episodes[0].prompt_ids),
-                                 contexts=tuple(tuple(e.prompt_ids) for e in group.episodes),
-                                 rows=tuple(range(len(group.episodes)))))  # fmt: skip
+        self.submit_turn(
+            replace(
+                task,
+                prompt_ids=tuple(group.episodes[0].prompt_ids),
+                contexts=tuple(tuple(e.prompt_ids) for e in group.episodes),
+                rows=tuple(range(len(group.episodes))),
+            )
+        )
 
     def _tokenize(self, prompt: list[dict], name) -> list[int]:
         """As GRPOTrainer renders a prompt of this environment (its tool schema in the system prompt)."""
         out = self.tokenizer.apply_chat_template(
-            conversation=[prompt], tools=self.schema_tools.get(name) or None, chat_template=self.chat_template,
-            add_generation_prompt=True, tokenize=True, return_dict=True, **self.chat_template_kwargs,
-        )  # fmt: skip
+            conversation=[prompt],
+            tools=self.schema_tools.get(name) or None,
+            chat_template=self.chat_template,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            **self.chat_template_kwargs,
+        )
         return list(out["input_ids"][0])
 
     def _on_turn(self, turn: RolloutGroup, admitted_at_version: int) -> None:
@@ -327,9 +371,12 @@ class EpisodeRunner:
                 # nothing more runs on it (calls would overlap it); the model reads why, as for any failed call
                 self._events.put(("tools", turn.group_id, row, calls_not_run(calls, ENVIRONMENT_BUSY)))
             elif calls:
-                self.tool_runner.submit(calls, episode.tool_dicts or self.tool_dicts,
-                                        lambda result, g=turn.group_id, r=row: self._events.put(("tools", g, r, result)),
-                                        after_timeout=ENVIRONMENT_BUSY if group.instances else None)  # fmt: skip
+                self.tool_runner.submit(
+                    calls,
+                    episode.tool_dicts or self.tool_dicts,
+                    lambda result, g=turn.group_id, r=row: self._events.put(("tools", g, r, result)),
+                    after_timeout=ENVIRONMENT_BUSY if group.instances else None,
+                )
             else:
                 self._end(turn.group_id, episode)
 
@@ -357,8 +404,17 @@ class EpisodeRunner:
             self._end(group_id, episode)
             return
         first = group.first
-        self.submit_turn(RolloutTask(group_id, first.prompt_index, first.prompt_ids, group.admitted_at_version,
-                                     contexts=(tuple(episode.context),), rows=(row,), max_new_tokens=left))  # fmt: skip
+        self.submit_turn(
+            RolloutTask(
+                group_id,
+                first.prompt_index,
+                first.prompt_ids,
+                group.admitted_at_version,
+                contexts=(tuple(episode.context),),
+                rows=(row,),
+                max_new_tokens=left,
+            )
+        )
 
     def _end(self, group_id: int, episode: Episode) -> None:
         episode.done = True

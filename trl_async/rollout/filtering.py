@@ -60,8 +60,14 @@ class SignalFilter:
 
     WARN_EVERY_BATCHES = 5
 
-    def __init__(self, weights: torch.Tensor, aggregation: str, reward_names: Sequence[str], groups_per_batch: int,
-                 limit_batches: int | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        weights: torch.Tensor,
+        aggregation: str,
+        reward_names: Sequence[str],
+        groups_per_batch: int,
+        limit_batches: int | None,
+    ) -> None:
         self.weights = weights.detach().float().cpu()
         self.aggregation = aggregation
         self.reward_names = list(reward_names)
@@ -77,9 +83,11 @@ class SignalFilter:
         self.filtered += 1
         self.in_a_row += 1
         if self.limit_batches is not None and self.in_a_row >= self.limit_batches * self.groups_per_batch:
-            raise RuntimeError(f"{self._many()}; stopping (dynamic_sampling_limit={self.limit_batches} generation "
-                               "batches' worth). Check the reward functions, or raise dynamic_sampling_limit "
-                               "(None: no limit)")  # fmt: skip
+            raise RuntimeError(
+                f"{self._many()}; stopping (dynamic_sampling_limit={self.limit_batches} generation "
+                "batches' worth). Check the reward functions, or raise dynamic_sampling_limit "
+                "(None: no limit)"
+            )
         if self.in_a_row % (self.WARN_EVERY_BATCHES * self.groups_per_batch) == 0:
             logger.warning("%s; they are dropped and other prompts generated (dynamic_sampling)", self._many())
         return False
@@ -88,6 +96,8 @@ class SignalFilter:
         weights = ", ".join(
             f"{n} (weight {w:g})" for n, w in zip(self.reward_names, self.weights.tolist(), strict=True)
         )
-        return (f"dynamic_sampling: the last {self.in_a_row} scored groups in a row gave every completion the same "
-                f"reward ({self.aggregation} of {weights}), so none of them can train: the task may be saturated "
-                "(every completion right, or every one wrong) or a reward function constant by mistake")  # fmt: skip
+        return (
+            f"dynamic_sampling: the last {self.in_a_row} scored groups in a row gave every completion the same "
+            f"reward ({self.aggregation} of {weights}), so none of them can train: the task may be saturated "
+            "(every completion right, or every one wrong) or a reward function constant by mistake"
+        )

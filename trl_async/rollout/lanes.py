@@ -5,9 +5,8 @@ routed. One ``Lanes`` belongs to one ``RolloutPool`` and shares its lock; the po
 A lane that exits, or sends no heartbeat for ``heartbeat_timeout_s``, is lost: killed, what it held handed back to
 the pool (``requeue``: first turns go back to admission, later turns of episodes are generated again from the same
 context), and restarted with the newest weights (a vLLM server's lane waits for the server to come back and is
-re-attached: engines/vllm/reattach.py), up to ``max_restarts`` times; after that, the pool fails with the reason. A lane's report of adopted weights is checked
-against the digest of what was published (``rollout_verify_weights``).
-"""
+re-attached: engines/vllm/reattach.py), up to ``max_restarts`` times; after that, the pool fails with the reason. A
+lane's report of adopted weights is checked against the digest of what was published (``rollout_verify_weights``)."""
 
 from __future__ import annotations
 
@@ -33,10 +32,16 @@ RolloutWorkerError = RolloutLaneError  # the earlier name
 
 
 class Lanes:
-    def __init__(self, backend, settings, cv: threading.Condition, activity: deque,
-                 deliver: Callable[[RolloutGroup, RolloutTask], None],
-                 requeue: Callable[[list[RolloutTask], list[RolloutTask]], None],
-                 fail: Callable[[BaseException], None]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        backend,
+        settings,
+        cv: threading.Condition,
+        activity: deque,
+        deliver: Callable[[RolloutGroup, RolloutTask], None],
+        requeue: Callable[[list[RolloutTask], list[RolloutTask]], None],
+        fail: Callable[[BaseException], None],
+    ) -> None:
         """``deliver(group, task)``: a lane returned ``task``; ``requeue(first_turns, later_turns)`` (called with
         the lock held): what a lost lane held; ``fail``: the pool fails with this error."""
         self.backend, self.settings, self._cv, self.activity = backend, settings, cv, activity
@@ -124,10 +129,12 @@ class Lanes:
                 self._fail(RolloutLaneError(f"{what}; it cannot be restarted from here"))
                 return
             if lost.restarts >= self.settings.max_restarts:
-                self._fail(RolloutLaneError(
-                    f"{what}; it was already restarted {lost.restarts} time(s) (rollout_max_restarts="
-                    f"{self.settings.max_restarts})"
-                ))  # fmt: skip
+                self._fail(
+                    RolloutLaneError(
+                        f"{what}; it was already restarted {lost.restarts} time(s) (rollout_max_restarts="
+                        f"{self.settings.max_restarts})"
+                    )
+                )
                 return
             self.current[i] = self.backend.start_lane(i, restarts=lost.restarts + 1)
             self.lane_restarts += 1

@@ -71,10 +71,11 @@ class RolloutPool:
         closers: Sequence[Callable[[], None]] = (),
     ) -> None:
         """``episodes`` (multi-turn rollouts with tools, or ``rollout_func``): builds the ``GroupRunner`` that turns
-        each group's first turn into whole episodes, given ``submit_turn``, ``finished`` and ``fail`` callbacks. ``keep`` (dynamic
-        sampling, filtering.py): given a scored group's rewards, whether it may train; a group it rejects gives its
-        admission slot back and its prompt counts as consumed (not retried, as DAPO). ``closers``: what was started
-        for this pool (a tool runner, reward scorers), closed by ``close`` once its threads have stopped."""
+        each group's first turn into whole episodes, given ``submit_turn``, ``finished`` and ``fail`` callbacks.
+        ``keep`` (dynamic sampling, filtering.py): given a scored group's rewards, whether it may train; a group it
+        rejects gives its admission slot back and its prompt counts as consumed (not retried, as DAPO). ``closers``:
+        what was started for this pool (a tool runner, reward scorers), closed by ``close`` once its threads have
+        stopped."""
         self._closers = list(closers)
         self.settings = settings
         self._prompts = prompts
@@ -89,8 +90,13 @@ class RolloutPool:
         self._stop = False
         self._error: BaseException | None = None
         self._error_raised = False  # close() reports an error that no take() raised (it came after the last one)
-        self._ledger = AdmissionLedger(settings.groups_per_batch, settings.steps_per_batch, settings.max_staleness,
-                                       settings.queue_size, settings.start_version)  # fmt: skip
+        self._ledger = AdmissionLedger(
+            settings.groups_per_batch,
+            settings.steps_per_batch,
+            settings.max_staleness,
+            settings.queue_size,
+            settings.start_version,
+        )
         self._next_group_id = 0
         self._positions: dict[int, int] = {}  # group id -> its prompt's stream position (prompts.PromptStream)
         self._rows: dict[int, dict] = {}  # group id -> its dataset row, read once at admission (ScoredGroup.row)
@@ -108,10 +114,17 @@ class RolloutPool:
         self._later_turns: deque[RolloutTask] = deque()  # turns of episodes under way: dispatched before new groups
         self.abandoned_groups = 0  # environments: groups whose reset raised
         self._abandoned_in_a_row = 0
-        self._episodes = None if episodes is None else episodes(
-            submit_turn=self._submit_turn, finished=self._to_score.put, fail=self._fail, abandon=self._abandon,
-            row=self.row,
-        )  # fmt: skip
+        self._episodes = (
+            None
+            if episodes is None
+            else episodes(
+                submit_turn=self._submit_turn,
+                finished=self._to_score.put,
+                fail=self._fail,
+                abandon=self._abandon,
+                row=self.row,
+            )
+        )
 
         self.lanes = Lanes(backend, settings, self._cv, self.activity, self._deliver, self._requeue, self._fail)
         self._threads = [
@@ -135,13 +148,15 @@ class RolloutPool:
         """Where ``publish_base`` writes in place (adapter-only LoRA sync), or ``None``."""
         return self.backend.base_target
 
-    def publish_base(self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]], version: int,
-                     digest: Digest | None = None) -> None:  # fmt: skip
+    def publish_base(
+        self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]], version: int, digest: Digest | None = None
+    ) -> None:
         """Adapter-only LoRA sync: the frozen rest of the model, once (and again for a server that came back)."""
         self.backend.publish_base(buckets, version, digest)
 
-    def publish(self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]], version: int,
-                digest: Digest | None = None) -> float:  # fmt: skip
+    def publish(
+        self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]], version: int, digest: Digest | None = None
+    ) -> float:
         """Make the streamed tensors the weights of ``version`` (see ``SharedMemoryWeights.publish``); lanes adopt
         them at their next safe point. ``digest`` (``rollout_verify_weights``): filled from the stream, what every lane
         must report adopting. Returns the seconds it took."""

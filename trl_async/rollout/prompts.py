@@ -24,8 +24,15 @@ from trl.trainer.utils import RepeatSampler
 
 
 class PromptStream:
-    def __init__(self, num_rows: int, groups_per_batch: int, shuffle: bool, seed: int, skip_batches: int = 0,
-                 progress: dict | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        num_rows: int,
+        groups_per_batch: int,
+        shuffle: bool,
+        seed: int,
+        skip_batches: int = 0,
+        progress: dict | None = None,
+    ) -> None:
         """``progress`` (from :meth:`progress` of the interrupted run) takes precedence over ``skip_batches`` (the
         in-order fallback for a checkpoint that has none)."""
         if num_rows < groups_per_batch:

@@ -93,8 +93,14 @@ def _per_row(name: str, values, n: int) -> list:
     return list(values)
 
 
-def build_group(task: RolloutTask, output: dict, call: _Call, num_generations: int, newest_version: int | None = None,
-                lane_id: int = -1) -> RolloutGroup:  # fmt: skip
+def build_group(
+    task: RolloutTask,
+    output: dict,
+    call: _Call,
+    num_generations: int,
+    newest_version: int | None = None,
+    lane_id: int = -1,
+) -> RolloutGroup:
     """The ``RolloutGroup`` of one ``rollout_func`` output (validated; versions resolved as the module says).
     ``newest_version``: the trainer's version now; a reported version past it cannot be true."""
     if not isinstance(output, dict):
@@ -104,7 +110,9 @@ def build_group(task: RolloutTask, output: dict, call: _Call, num_generations: i
         raise ValueError(f"rollout_func must return keys {missing} in its output dict.")
     out = dict(output)
     prompt_ids = [tuple(int(t) for t in ids) for ids in _per_row("prompt_ids", out.pop("prompt_ids"), num_generations)]
-    completions = [tuple(int(t) for t in ids) for ids in _per_row("completion_ids", out.pop("completion_ids"), num_generations)]  # fmt: skip
+    completions = [
+        tuple(int(t) for t in ids) for ids in _per_row("completion_ids", out.pop("completion_ids"), num_generations)
+    ]
     raw_logprobs = out.pop("logprobs")
     if raw_logprobs is None:
         raise ValueError(
@@ -175,10 +183,22 @@ class RolloutFuncRunner:
 
     starts_groups = True
 
-    def __init__(self, *, rollout_func: Callable, trainer, tokenizer, num_generations: int, timeout_s: float,
-                 max_model_len: int | None, max_new_tokens: int,
-                 submit_turn: Callable[[RolloutTask], None], finished: Callable[[RolloutGroup], None],
-                 fail: Callable[[BaseException], None], row: Callable[[int], dict], abandon=None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        rollout_func: Callable,
+        trainer,
+        tokenizer,
+        num_generations: int,
+        timeout_s: float,
+        max_model_len: int | None,
+        max_new_tokens: int,
+        submit_turn: Callable[[RolloutTask], None],
+        finished: Callable[[RolloutGroup], None],
+        fail: Callable[[BaseException], None],
+        row: Callable[[int], dict],
+        abandon=None,
+    ) -> None:
         """``row(group_id)``: a group's dataset row, as the pool read it at admission."""
         self.rollout_func, self.row, self.num_generations = rollout_func, row, num_generations
         self.timeout_s, self.max_model_len, self.max_new_tokens = timeout_s, max_model_len, max_new_tokens
@@ -229,8 +249,13 @@ class RolloutFuncRunner:
             thread.join(max(0.0, deadline - time.monotonic()))
         running = [t.name for t in threads if t.is_alive()]
         if running:
-            logger.warning("closing the rollout_func runner: %d rollout(s) still running after %.0fs (%s); their "
-                           "output is discarded when they return", len(running), timeout_s, ", ".join(running))  # fmt: skip
+            logger.warning(
+                "closing the rollout_func runner: %d rollout(s) still running after %.0fs (%s); their "
+                "output is discarded when they return",
+                len(running),
+                timeout_s,
+                ", ".join(running),
+            )
 
     # ---- the rollout's side ------------------------------------------------------------------------------------
     @property
@@ -238,8 +263,9 @@ class RolloutFuncRunner:
         """Whether the calling thread runs a ``rollout_func`` call of this runner."""
         return getattr(self._local, "call", None) is not None
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int | None = None,
-                 call: _Call | None = None) -> dict:  # fmt: skip
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int | None = None, call: _Call | None = None
+    ) -> dict:
         """Sample one completion per context for ``call`` (default: the rollout this thread runs)."""
         call = call or self._local.call
         contexts = tuple(tuple(int(t) for t in ids) for ids in prompt_ids)
@@ -250,14 +276,23 @@ class RolloutFuncRunner:
         budget = max_new_tokens or 0
         longest, new = max(len(c) for c in contexts), budget or self.max_new_tokens
         if self.max_model_len and longest + new > self.max_model_len:
-            raise ValueError(f"rollout_generate: a context of {longest} tokens (+ up to {new} new) exceeds the "
-                             f"model's max_position_embeddings={self.max_model_len}; pass a smaller max_new_tokens or "
-                             "shorten the context")  # fmt: skip
+            raise ValueError(
+                f"rollout_generate: a context of {longest} tokens (+ up to {new} new) exceeds the "
+                f"model's max_position_embeddings={self.max_model_len}; pass a smaller max_new_tokens or "
+                "shorten the context"
+            )
         rows = call.rows(len(contexts))
         task = call.task
         future: Future = Future()
-        turn = RolloutTask(task.group_id, task.prompt_index, contexts[0], task.admitted_at_version,
-                           contexts=contexts, rows=rows, max_new_tokens=budget)  # fmt: skip
+        turn = RolloutTask(
+            task.group_id,
+            task.prompt_index,
+            contexts[0],
+            task.admitted_at_version,
+            contexts=contexts,
+            rows=rows,
+            max_new_tokens=budget,
+        )
         with self._lock:
             if self._closed.is_set():
                 raise _Closed()
@@ -268,7 +303,9 @@ class RolloutFuncRunner:
         except FutureTimeout:
             with self._lock:
                 self._waiting.pop(turn.key, None)
-            raise TimeoutError(f"rollout_generate waited {self.timeout_s:.0f}s (rollout_timeout_s) for the workers") from None  # fmt: skip
+            raise TimeoutError(
+                f"rollout_generate waited {self.timeout_s:.0f}s (rollout_timeout_s) for the workers"
+            ) from None
         call.record(result.completion_ids, result.versions)
         return {
             "completion_ids": [list(ids) for ids in result.completion_ids],

@@ -95,8 +95,9 @@ class RewardScorer:
             shutdown_event_loop_in_daemon(*self._own_loop)
             self._own_loop = None
 
-    def score(self, rows: list[dict], completions: list, completion_ids: list,
-              environments: list | None = None) -> tuple[torch.Tensor, dict, dict]:  # fmt: skip
+    def score(
+        self, rows: list[dict], completions: list, completion_ids: list, environments: list | None = None
+    ) -> tuple[torch.Tensor, dict, dict]:
         """Returns ``rewards_NF`` (rows x reward functions, NaN where a function returned None), the extra columns
         and the metrics that reward functions logged during this call. ``environments`` (one instance per row) is
         passed on to the reward functions, as GRPOTrainer does."""

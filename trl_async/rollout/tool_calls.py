@@ -140,8 +140,11 @@ def run_tool_calls(
                 # asyncio.wait_for's own timeout (a TimeoutError raised by the tool itself is just a failure)
                 timed_out = timeout_s is not None and isinstance(outcome, asyncio.TimeoutError | TimeoutError)
                 timeouts += timed_out
-                message = (f"tool {names[i]} did not return within {timeout_s:g} s (rollout_tool_timeout_s)"
-                           if timed_out else str(outcome))  # fmt: skip
+                message = (
+                    f"tool {names[i]} did not return within {timeout_s:g} s (rollout_tool_timeout_s)"
+                    if timed_out
+                    else str(outcome)
+                )
                 results[i], failed[i] = {"error": message}, True
             else:
                 results[i] = outcome
@@ -150,8 +153,9 @@ def run_tool_calls(
         content = results[i] if isinstance(results[i], list) else str(results[i])
         messages.append({"role": "tool", "name": names[i], "content": content})
         arguments = call.get("function", {}).get("arguments") if isinstance(call.get("function"), dict) else None
-        records.append({"name": names[i], "arguments": arguments, "result": str(content)[:RECORD_CHARS],
-                        "failed": failed[i]})  # fmt: skip
+        records.append(
+            {"name": names[i], "arguments": arguments, "result": str(content)[:RECORD_CHARS], "failed": failed[i]}
+        )
     return ToolResults(
         messages, calls=len(calls), failures=sum(failed), timeouts=timeouts, records=records, strays=strays
     )
@@ -186,8 +190,13 @@ class ToolRunner:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, calls: Sequence[dict], tools: tuple[dict, dict], done: Callable[[ToolResults], None],
-               after_timeout: str | None = None) -> None:  # fmt: skip
+    def submit(
+        self,
+        calls: Sequence[dict],
+        tools: tuple[dict, dict],
+        done: Callable[[ToolResults], None],
+        after_timeout: str | None = None,
+    ) -> None:
         self._jobs.put((calls, tools, done, after_timeout))
 
     def _serve(self) -> None:

@@ -2,9 +2,9 @@
 
 Run as a file (``python -I -S launcher.py``) with a ``marshal``-encoded spec on stdin. It imports nothing outside
 the standard library, so it never loads the trainer's code, and only modules that load fast (``marshal`` and
-``_signal`` rather than ``json`` and ``signal``: their imports would double what a run costs). With ``"namespaces"`` it runs as the init process (pid 1) of fresh
-PID, mount, network, IPC and UTS namespaces made by util-linux ``unshare``; with ``"rlimits"`` it runs as a plain
-child of the trainer.
+``_signal`` rather than ``json`` and ``signal``: their imports would double what a run costs). With ``"namespaces"`` it
+runs as the init process (pid 1) of fresh PID, mount, network, IPC and UTS namespaces made by util-linux ``unshare``;
+with ``"rlimits"`` it runs as a plain child of the trainer.
 
 Steps, in order:
 1. (namespaces) a fresh root: a small tmpfs holding read-only bind mounts of the system directories and the Python
@@ -14,10 +14,11 @@ Steps, in order:
 2. The program's files and stdin.
 3. A child that sets resource limits, drops privileges (another uid when the launcher is real root, every
    capability and ``no_new_privs`` otherwise), then executes the program with a scrubbed environment.
-4. Wait for it until the wall clock runs out, or the trainer's end of the ``alive`` pipe closes; then kill everything left (in its own PID namespace: every process
-   but this one; otherwise every process of the run's uid, or its process group), reap it all (the launcher is a
-   child subreaper, so orphans come back to it), and write ``{"exit": ..., "signal": ..., "timed_out": ...}``
-   (marshal) to the status pipe. A setup failure writes ``{"setup_error": ...}`` instead.
+4. Wait for it until the wall clock runs out, or the trainer's end of the ``alive`` pipe closes; then kill everything
+   left (in its own PID namespace: every process but this one; otherwise every process of the run's uid, or its
+   process group), reap it all (the launcher is a child subreaper, so orphans come back to it), and write
+   ``{"exit": ..., "signal": ..., "timed_out": ...}`` (marshal) to the status pipe. A setup failure writes
+   ``{"setup_error": ...}`` instead.
 """
 
 import _signal as signal
@@ -41,8 +42,15 @@ DENIED = ("memfd_create", "keyctl", "add_key", "request_key", "ptrace", "process
           "io_uring_setup", "kexec_load", "init_module", "finit_module", "delete_module", "open_by_handle_at",
           "swapon", "swapoff", "reboot", "acct", "quotactl")  # fmt: skip
 # signals a program running as the launcher's own uid (a non-root trainer's) could send it; ignored by the launcher
-SHIELDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
-            signal.SIGALRM)  # fmt: skip
+SHIELDED = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGALRM,
+)
 LIMITS = {
     "cpu_s": resource.RLIMIT_CPU,
     "memory_bytes": resource.RLIMIT_AS,

@@ -101,8 +101,8 @@ def limits_hit(
     """The limits a run hit, from what the launcher and the reader saw and the program's error output.
 
     The sandbox knows the wall clock and the output cap itself; CPU time shows as SIGXCPU, or as a SIGKILL after
-    ``cpu_s`` reached ``cpu_limit_s`` (the hard limit, a second after SIGXCPU); the others show only in how the refused call failed, so they are read from stderr, which a program
-    can also print on purpose: a report, not a proof."""
+    ``cpu_s`` reached ``cpu_limit_s`` (the hard limit, a second after SIGXCPU); the others show only in how the refused
+    call failed, so they are read from stderr, which a program can also print on purpose: a report, not a proof."""
     hit = []
     if timed_out:
         hit.append("wall_time")

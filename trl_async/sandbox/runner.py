@@ -177,11 +177,23 @@ class Sandbox:
             shutil.rmtree(root, ignore_errors=True)
         stdout, stderr, status, exceeded, backstop = streams
         report = _report(status, backstop, proc.returncode, stderr)
-        hit = limits_hit(timed_out=report["timed_out"], output_exceeded=exceeded, signal_number=report["signal"],
-                         stderr=stderr, cpu_s=report.get("cpu_s", 0.0), cpu_limit_s=limits.cpu_s)  # fmt: skip
-        return SandboxResult(exit_code=None if exceeded else report["exit"],
-                             signal=None if exceeded else report["signal"], stdout=stdout, stderr=stderr, limits=hit,
-                             seconds=report.get("seconds", time.monotonic() - started), isolation=self.isolation)  # fmt: skip
+        hit = limits_hit(
+            timed_out=report["timed_out"],
+            output_exceeded=exceeded,
+            signal_number=report["signal"],
+            stderr=stderr,
+            cpu_s=report.get("cpu_s", 0.0),
+            cpu_limit_s=limits.cpu_s,
+        )
+        return SandboxResult(
+            exit_code=None if exceeded else report["exit"],
+            signal=None if exceeded else report["signal"],
+            stdout=stdout,
+            stderr=stderr,
+            limits=hit,
+            seconds=report.get("seconds", time.monotonic() - started),
+            isolation=self.isolation,
+        )
 
 
 def _report(status: bytes, backstop: bool, returncode: int | None, stderr: str) -> dict:

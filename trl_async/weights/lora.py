@@ -175,5 +175,6 @@ def served_adapter(
 
 
 def served_rank(merges: tuple[LoraMerge, ...], specs: Mapping[str, tuple]) -> int:
-    """The rank of ``served_adapter``'s adapter, from the published tensors' shapes (``policy_specs(part="adapters")``)."""
+    """The rank of ``served_adapter``'s adapter, from the published tensors' shapes
+    (``policy_specs(part="adapters")``)."""
     return max(sum(specs[a][0][0] for a, _, _ in m.factors) for m in merges)

@@ -4,11 +4,10 @@ The trainer's model may be plain, DDP, DeepSpeed ZeRO-2 (full parameters on ever
 shard), and may carry LoRA adapters. Workers need plain full tensors under the base model's names, with adapters
 merged. ``iter_policy_buckets`` yields them in buckets of bounded size: under ZeRO-3 every rank must iterate it in
 lock-step on its main thread (a bucket of plain parameters travels as shards straight to rank 0; a bucket that needs
-a merge is one ``GatheredParameters`` gather, through TRL's ``DistributedBackend``), and the tensors of a bucket are only valid until the generator is resumed, because the
-gather context closes then: the consumer copies them out before asking for the next bucket. LoRA is merged one layer
-at a time (W + peft's own ``get_delta_weight``) without touching the training weights, so nothing needs unmerging and
-the whole model is never materialised at once.
-"""
+a merge is one ``GatheredParameters`` gather, through TRL's ``DistributedBackend``), and the tensors of a bucket are
+only valid until the generator is resumed, because the gather context closes then: the consumer copies them out before
+asking for the next bucket. LoRA is merged one layer at a time (W + peft's own ``get_delta_weight``) without touching
+the training weights, so nothing needs unmerging and the whole model is never materialised at once."""
 
 from __future__ import annotations
 
@@ -104,8 +103,11 @@ def is_peft(model: torch.nn.Module) -> bool:
 
 def _frozen_units(model, persistent_only: bool) -> list[_Unit]:
     """A peft model's parameters and buffers outside the adapters, as they are (adapted layers unmerged)."""
-    params = [_unit(clean_peft_name(n), p) for n, p in model.named_parameters()
-              if "lora_" not in n and ".original_module." not in n]  # fmt: skip
+    params = [
+        _unit(clean_peft_name(n), p)
+        for n, p in model.named_parameters()
+        if "lora_" not in n and ".original_module." not in n
+    ]
     return params + [_unit(clean_peft_name(n), b) for n, b in _buffers(model, persistent_only)]
 
 
@@ -114,8 +116,11 @@ def _adapter_units(model) -> list[_Unit]:
     factors, scales, _ = adapter_tensors(model)
     scale_tensor = torch.tensor(scales, dtype=torch.float64)
     units = [_unit(n, p) for n, p in factors]
-    units.append(_Unit(SCALES, (), lambda: scale_tensor, scale_tensor.numel() * 8, tuple(scale_tensor.shape),
-                       torch.float64, True))  # fmt: skip
+    units.append(
+        _Unit(
+            SCALES, (), lambda: scale_tensor, scale_tensor.numel() * 8, tuple(scale_tensor.shape), torch.float64, True
+        )
+    )
     return units
 
 

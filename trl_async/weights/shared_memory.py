@@ -82,8 +82,10 @@ class SharedMemoryWeights:
         self._newest = mp_context.Value("q", 0, lock=False)
 
     def _views(self, flats: Mapping[torch.dtype, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {name: flats[dtype][start : start + shape.numel()].view(shape)
-                for name, (dtype, start, shape) in self._layout.items()}  # fmt: skip
+        return {
+            name: flats[dtype][start : start + shape.numel()].view(shape)
+            for name, (dtype, start, shape) in self._layout.items()
+        }
 
     def __getstate__(self) -> dict:  # the flat tensors travel; the views are rebuilt on the other side
         return {k: v for k, v in self.__dict__.items() if k != "buffers"}

@@ -17,9 +17,8 @@ request uses are unloaded (their names removed from the server; vLLM's own cache
 ``--max-cpu-loras``) and their files deleted; one still in use is unloaded at a later publish.
 
 Before training, a probe adapter with the real shapes and zero B factors is loaded and unloaded on every server
-(``ServedAdapters.probe``): a server that cannot load these adapters (no runtime loading, a module it does not adapt) then
-falls back to merged pushes, saying why, instead of failing at the first publish.
-"""
+(``ServedAdapters.probe``): a server that cannot load these adapters (no runtime loading, a module it does not adapt)
+then falls back to merged pushes, saying why, instead of failing at the first publish."""
 
 from __future__ import annotations
 
@@ -45,9 +44,20 @@ logger = logging.get_logger(__name__)
 
 def adapter_config(rank: int, targets: Sequence[str]) -> dict:
     """The ``adapter_config.json`` of a ``served_adapter``: scale 1 (``lora_alpha == r``, no rslora), plain LoRA."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank, "use_rslora": False,
-            "use_dora": False, "bias": "none", "modules_to_save": None, "fan_in_fan_out": False,
-            "target_modules": sorted(targets), "lora_dropout": 0.0, "base_model_name_or_path": None}  # fmt: skip
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": rank,
+        "use_rslora": False,
+        "use_dora": False,
+        "bias": "none",
+        "modules_to_save": None,
+        "fan_in_fan_out": False,
+        "target_modules": sorted(targets),
+        "lora_dropout": 0.0,
+        "base_model_name_or_path": None,
+    }
 
 
 def write_adapter(directory: Path, tensors: dict[str, torch.Tensor], rank: int) -> Path:
@@ -172,9 +182,11 @@ class ServedAdapters:
                     server.load_lora_adapter(self.name(-1), str(path))
                     server.unload_lora_adapter(self.name(-1))
                 except Exception as exc:  # noqa: BLE001 - reported as the reason for merged pushes
-                    return (f"vLLM server {server.url} could not load a LoRA adapter of these shapes: {exc} (a 404 "
-                            "means no runtime LoRA loading: start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, as "
-                            "`python -m trl_async.vllm_serve` does)")  # fmt: skip
+                    return (
+                        f"vLLM server {server.url} could not load a LoRA adapter of these shapes: {exc} (a 404 "
+                        "means no runtime LoRA loading: start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, as "
+                        "`python -m trl_async.vllm_serve` does)"
+                    )
             return None
         finally:
             shutil.rmtree(path, ignore_errors=True)
@@ -203,8 +215,13 @@ class ServedAdapters:
         self.resident = []
         if busy:
             why = f"vLLM servers {busy} still run requests" if let_go else "a request thread still holds an adapter"
-            logger.warning("%s %.0fs after training ended: this run's adapter files are left in %s for them (delete it "
-                           "when they are done)", why, drain_s, self.directory)  # fmt: skip
+            logger.warning(
+                "%s %.0fs after training ended: this run's adapter files are left in %s for them (delete it "
+                "when they are done)",
+                why,
+                drain_s,
+                self.directory,
+            )
             return
         shutil.rmtree(self.directory, ignore_errors=True)
 

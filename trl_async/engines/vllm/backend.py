@@ -31,7 +31,7 @@ from .client import VLLMServer
 from .push import Buckets, VLLMWeightPusher
 from .reattach import Return
 from .server_checks import ServerSurvey, survey_servers
-from .server_lane import VLLMLane, VLLMLaneSpec, cut_after_eos  # noqa: F401 - the backend's pieces, importable from here
+from .server_lane import VLLMLane, VLLMLaneSpec, cut_after_eos  # noqa: F401 - importable from here
 
 logger = logging.get_logger(__name__)
 PROBE = (1, 2, 3, 4, 5, 6, 7, 8)  # the prompt a returning server and a peer both complete greedily
@@ -84,8 +84,15 @@ class VLLMBackend:
         self.current: list[VLLMLane | None] = [None] * len(self.servers)  # by server
 
     @classmethod
-    def connect(cls, specs: Sequence[VLLMLaneSpec], transport: str, trainer_device: str, startup_timeout_s: float,
-                adapters: AdapterPlan | None = None, **settings) -> VLLMBackend:  # fmt: skip
+    def connect(
+        cls,
+        specs: Sequence[VLLMLaneSpec],
+        transport: str,
+        trainer_device: str,
+        startup_timeout_s: float,
+        adapters: AdapterPlan | None = None,
+        **settings,
+    ) -> VLLMBackend:
         """Check the servers (server_checks.py), build the backend and open the weight transport with every server.
         ``settings``: the rest of the constructor's arguments."""
         survey = survey_servers(specs, startup_timeout_s, transport, trainer_device, adapters)
@@ -105,8 +112,13 @@ class VLLMBackend:
         """A server's lane; a replacement (``restarts`` > 0) waits for its server to come back (reattach.py)."""
         returning = None
         if restarts:
-            returning = Return(self.specs[index].url, self.identities[index], self.down_limit_s,
-                               self.specs[index].retry_s, lambda: any(ln.attached for ln in self.current if ln not in (None, lane)))  # fmt: skip
+            returning = Return(
+                self.specs[index].url,
+                self.identities[index],
+                self.down_limit_s,
+                self.specs[index].retry_s,
+                lambda: any(ln.attached for ln in self.current if ln not in (None, lane)),
+            )
         lane = VLLMLane(self.specs[index], self.max_outstanding, restarts, adapters=self.served, returning=returning)
         self.lanes.append(lane)
         self.current[index] = lane
@@ -120,8 +132,12 @@ class VLLMBackend:
     def _live(self, back: list[int]) -> list[int]:
         """The servers to sync now: ``back`` (being re-attached) and the attached ones; with merged pushes only those
         that answer (a dead one in the push group would fail the push; it is skipped and its lane is replaced)."""
-        return [i for i, ln in enumerate(self.current) if i in back or (ln is not None and ln.attached and (
-            self.plan is not None or self.servers[i].healthy(timeout_s=2.0)))]  # fmt: skip
+        return [
+            i
+            for i, ln in enumerate(self.current)
+            if i in back
+            or (ln is not None and ln.attached and (self.plan is not None or self.servers[i].healthy(timeout_s=2.0)))
+        ]
 
     @property
     def needs_base(self) -> bool:
@@ -171,8 +187,9 @@ class VLLMBackend:
             return
         if self.plan is not None:
             tensors = {name: t.detach().clone() for bucket in buckets for name, t in bucket}
-            loaded = self.served.publish(*served_adapter(self.plan.merges, tensors), version,
-                                         [self.servers[i] for i in live])  # fmt: skip
+            loaded = self.served.publish(
+                *served_adapter(self.plan.merges, tensors), version, [self.servers[i] for i in live]
+            )
             self._lose([i for i, ok in zip(live, loaded, strict=True) if not ok], "loading the adapter")
             live = [i for i, ok in zip(live, loaded, strict=True) if ok]
         else:
@@ -194,8 +211,9 @@ class VLLMBackend:
             if self.current[i].attached:
                 self.current[i].adopted(version)
 
-    def _lose_or_raise(self, members: list[int], during: str, exc: Exception, only_down: bool = False,
-                       settle=None) -> None:  # fmt: skip
+    def _lose_or_raise(
+        self, members: list[int], during: str, exc: Exception, only_down: bool = False, settle=None
+    ) -> None:
         """A sync step over ``members`` raised ``exc``. If a server no longer answers, it died or hung there: the
         members are let go (``_lose``; with ``only_down`` only those down). If every one still answers, the error is
         not a lost server, and retrying would only repeat it: it is raised. Health is read at once (a server
@@ -214,8 +232,11 @@ class VLLMBackend:
         probe, once it answers (reattach.py); training goes on meanwhile, or waits for it within the limits."""
         if not members:
             return
-        logger.warning("vLLM server(s) %s failed during %s; each is re-attached once it answers",
-                       ", ".join(self.specs[i].url for i in members), during)  # fmt: skip
+        logger.warning(
+            "vLLM server(s) %s failed during %s; each is re-attached once it answers",
+            ", ".join(self.specs[i].url for i in members),
+            during,
+        )
         for i in members:
             if self.current[i] is not None:
                 self.current[i].lose()
@@ -235,11 +256,14 @@ class VLLMBackend:
         if peers:
             params = {"n": 1, "max_tokens": 8, "temperature": 0.0, "logprobs": 0, "ignore_eos": True}
             try:
-                mine, theirs = (self._sync_clients[i].generate(PROBE, params, adapter=adapter)[0].token_ids
-                                for i in (index, peers[0]))  # fmt: skip
+                mine, theirs = (
+                    self._sync_clients[i].generate(PROBE, params, adapter=adapter)[0].token_ids
+                    for i in (index, peers[0])
+                )
             except Exception as exc:  # one of them died or stopped answering: no verdict
-                self._lose_or_raise([index, peers[0]], f"the probe of {lane.spec.url} after its re-attach", exc,
-                                    only_down=True)  # fmt: skip
+                self._lose_or_raise(
+                    [index, peers[0]], f"the probe of {lane.spec.url} after its re-attach", exc, only_down=True
+                )
                 return
             if mine != theirs:
                 lane.returning.state = "refused"
@@ -250,10 +274,16 @@ class VLLMBackend:
                 )
                 return
         seconds = lane.returning.attach(time.time())
-        self.reattached.append({"url": lane.spec.url, "down_to_working_s": seconds,
-                                "back_to_working_s": time.time() - back_at})  # fmt: skip
-        logger.warning("vLLM server %s re-attached at version %d, %.1fs after it was lost%s", lane.spec.url, version,
-                       seconds, "" if peers else " (no other server to compare its output with)")  # fmt: skip
+        self.reattached.append(
+            {"url": lane.spec.url, "down_to_working_s": seconds, "back_to_working_s": time.time() - back_at}
+        )
+        logger.warning(
+            "vLLM server %s re-attached at version %d, %.1fs after it was lost%s",
+            lane.spec.url,
+            version,
+            seconds,
+            "" if peers else " (no other server to compare its output with)",
+        )
 
     def close(self) -> None:
         for lane in self.lanes:

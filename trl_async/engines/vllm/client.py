@@ -163,8 +163,12 @@ class VLLMServer:
 
         def send_and_wait() -> None:
             try:
-                connection.request("POST", parts.path.rstrip("/") + path, body=json.dumps(body).encode(),
-                                   headers={"Content-Type": "application/json"})  # fmt: skip
+                connection.request(
+                    "POST",
+                    parts.path.rstrip("/") + path,
+                    body=json.dumps(body).encode(),
+                    headers={"Content-Type": "application/json"},
+                )
                 response = connection.getresponse()
                 reply["status"], reply["payload"] = response.status, response.read()
             except BaseException as exc:  # noqa: BLE001 - reported on the calling thread
@@ -188,8 +192,9 @@ class VLLMServer:
                     healthy_long_enough = time.monotonic() - failing_since <= self.request_timeout_s
                 if not healthy_long_enough:
                     raise VLLMServerError(
-                        f"vLLM server {self.url} failed its health check (GET /health) for {self.request_timeout_s:.0f}s "
-                        f"(rollout_timeout_s) while running POST {path}; the request was abandoned, not resent"
+                        f"vLLM server {self.url} failed its health check (GET /health) for "
+                        f"{self.request_timeout_s:.0f}s (rollout_timeout_s) while running POST {path}; the request was "
+                        "abandoned, not resent"
                     )
         finally:
             if not done.is_set():  # abandoned: unblock the request's thread

@@ -49,8 +49,14 @@ def server_gpu_groups(gpus: list[str], hosts: list[str], tensor_parallel_size: i
     )
 
 
-def colocated_flags(max_model_len: int | None, gpu_memory_utilization: float, tensor_parallel_size: int,
-                    model_impl: str, dtype: str, on_gpu: bool) -> list[str]:  # fmt: skip
+def colocated_flags(
+    max_model_len: int | None,
+    gpu_memory_utilization: float,
+    tensor_parallel_size: int,
+    model_impl: str,
+    dtype: str,
+    on_gpu: bool,
+) -> list[str]:
     """``vllm serve`` arguments from GRPOConfig's colocate fields and the trainer's compute dtype."""
     flags = ["--dtype", dtype, "--model-impl", model_impl, "--tensor-parallel-size", str(tensor_parallel_size)]
     if max_model_len is not None:
@@ -85,8 +91,9 @@ class ColocatedServer:
     log: Path
 
     @classmethod
-    def start(cls, model: str, transport: str, flags: list[str], gpus: list[str] | None, log: Path,
-              python: str | None = None) -> ColocatedServer:  # fmt: skip
+    def start(
+        cls, model: str, transport: str, flags: list[str], gpus: list[str] | None, log: Path, python: str | None = None
+    ) -> ColocatedServer:
         """A server for ``model`` on ``gpus`` (None: the CPU), listening on a free local port."""
         port = free_port()
         command = server_command(model, "127.0.0.1", port, transport, flags)
@@ -95,19 +102,33 @@ class ColocatedServer:
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         for name in [n for n in env if n.startswith("TORCHELASTIC_")] + [
-            "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"]:  # fmt: skip
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE",
+            "GROUP_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        ]:
             env.pop(name, None)  # the trainer's process group is not the server's
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "w") as out:
-            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                       preexec_fn=_die_with(os.getpid()))  # fmt: skip
+            process = subprocess.Popen(
+                command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with(os.getpid()),
+            )
         return cls(f"http://127.0.0.1:{port}", process, log)
 
     def exited(self) -> str | None:
         """Why the server is gone (its exit status and the end of its log), or None while it runs."""
         if self.process.poll() is None:
             return None
-        return f"the colocated vLLM server exited with status {self.process.returncode}; its log ends with:\n{self.tail()}"
+        status = self.process.returncode
+        return f"the colocated vLLM server exited with status {status}; its log ends with:\n{self.tail()}"
 
     def tail(self, lines: int = 30) -> str:
         with contextlib.suppress(OSError):
@@ -183,6 +204,8 @@ def wait_for(servers: list[ColocatedServer], timeout_s: float) -> None:
             if gone is not None:
                 raise RuntimeError(gone)
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the colocated vLLM server {server.url} did not answer within {timeout_s:.0f}s "
-                                   f"(vllm_server_timeout); its log ends with:\n{server.tail()}")  # fmt: skip
+                raise RuntimeError(
+                    f"the colocated vLLM server {server.url} did not answer within {timeout_s:.0f}s "
+                    f"(vllm_server_timeout); its log ends with:\n{server.tail()}"
+                )
             time.sleep(0.5)

@@ -34,9 +34,14 @@ def identity(info: dict) -> dict:
     model = config.get("model_config") or {}
     lora = config.get("lora_config") or {}
     transfer = config.get("weight_transfer_config") or {}
-    return {"model": model.get("model"), "max_model_len": model.get("max_model_len"), "dtype": model.get("dtype"),
-            "logprobs_mode": model.get("logprobs_mode"), "max_lora_rank": lora.get("max_lora_rank"),
-            "weight_transfer": transfer.get("backend")}  # fmt: skip
+    return {
+        "model": model.get("model"),
+        "max_model_len": model.get("max_model_len"),
+        "dtype": model.get("dtype"),
+        "logprobs_mode": model.get("logprobs_mode"),
+        "max_lora_rank": lora.get("max_lora_rank"),
+        "weight_transfer": transfer.get("backend"),
+    }
 
 
 @dataclass(eq=False)
@@ -68,19 +73,25 @@ class Return:
                 return None
             if found != self.expected:
                 changed = {k: (self.expected[k], found[k]) for k in found if found[k] != self.expected[k]}
-                return (f"vLLM server {self.url} came back serving something else: {changed} (as (before, now)); "
-                        "refused. Restart it with the model and flags it had when training started")  # fmt: skip
+                return (
+                    f"vLLM server {self.url} came back serving something else: {changed} (as (before, now)); "
+                    "refused. Restart it with the model and flags it had when training started"
+                )
             self.state, self.back_at = "back", now
-            logger.warning("vLLM server %s is back after %.0fs; it is re-attached at the next weight sync", self.url,
-                           now - self.down_since)  # fmt: skip
+            logger.warning(
+                "vLLM server %s is back after %.0fs; it is re-attached at the next weight sync",
+                self.url,
+                now - self.down_since,
+            )
             return None
         down = now - self.down_since
         if self.down_limit_s is not None and down > self.down_limit_s:
-            return (f"vLLM server {self.url} has been down for {down:.0f}s (rollout_vllm_down_limit_s="
-                    f"{self.down_limit_s:.0f})")  # fmt: skip
+            return (
+                f"vLLM server {self.url} has been down for {down:.0f}s (rollout_vllm_down_limit_s="
+                f"{self.down_limit_s:.0f})"
+            )
         if down > self.retry_s and not self.others_attached():
-            return (f"every vLLM server is down; {self.url} for {down:.0f}s (rollout_vllm_retry_s="
-                    f"{self.retry_s:.0f})")  # fmt: skip
+            return f"every vLLM server is down; {self.url} for {down:.0f}s (rollout_vllm_retry_s={self.retry_s:.0f})"
         if now - self._warned_at >= WARN_EVERY_S:
             self._warned_at = now
             logger.warning(

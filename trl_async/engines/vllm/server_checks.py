@@ -29,15 +29,19 @@ class ServerSurvey:
     served: ServedAdapters | None = None  # adapter-only LoRA sync on: the servers' named adapters
 
 
-def survey_servers(specs, startup_timeout_s: float, transport: str, trainer_device: str,
-                   adapters: AdapterPlan | None = None) -> ServerSurvey:  # fmt: skip
+def survey_servers(
+    specs, startup_timeout_s: float, transport: str, trainer_device: str, adapters: AdapterPlan | None = None
+) -> ServerSurvey:
     """Wait for every server in ``specs`` (``VLLMLaneSpec``s) to be healthy, check how each was started, and agree on
     the weight transport (``transport``: 'auto', 'nccl' or 'gloo'). With ``adapters``, whether the servers can serve
     them: a zero adapter of the real shapes is loaded and unloaded on each."""
     servers = [VLLMServer(s.url, s.request_timeout_s, s.retry_s) for s in specs]
     infos = [check_server(server, startup_timeout_s) for server in servers]
-    survey = ServerSurvey(servers, served_transport(transport, infos, [s.url for s in servers], trainer_device),
-                          [identity(info) for info in infos])  # fmt: skip
+    survey = ServerSurvey(
+        servers,
+        served_transport(transport, infos, [s.url for s in servers], trainer_device),
+        [identity(info) for info in infos],
+    )
     if adapters is None:
         return survey
     rank = served_rank(adapters.merges, adapters.adapter_specs)
@@ -68,17 +72,22 @@ def lora_blocker(info: dict, url: str, rank: int, leaves: set[str]) -> str | Non
     lora = (info.get("vllm_config") or {}).get("lora_config")
     flag = next((r for r in LEGAL_LORA_RANKS if r >= rank), rank)
     if not lora:
-        return (f"vLLM server {url} was started without LoRA: add --enable-lora --max-lora-rank {flag} "
-                f"(and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, which `python -m trl_async.vllm_serve` sets)")  # fmt: skip
+        return (
+            f"vLLM server {url} was started without LoRA: add --enable-lora --max-lora-rank {flag} "
+            f"(and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, which `python -m trl_async.vllm_serve` sets)"
+        )
     if lora.get("max_lora_rank", 0) < rank:
-        return (f"vLLM server {url} serves LoRA rank {lora.get('max_lora_rank')} at most (--max-lora-rank) and these "
-                f"adapters need {rank} (--max-lora-rank {flag})")  # fmt: skip
+        return (
+            f"vLLM server {url} serves LoRA rank {lora.get('max_lora_rank')} at most (--max-lora-rank) and these "
+            f"adapters need {rank} (--max-lora-rank {flag})"
+        )
     targets = set(lora.get("target_modules") or ())
 
     def covered(leaf: str) -> bool:  # itself, its packed parent, or a sibling packed with it (the same vLLM layer)
         parent = PACKED.get(leaf)
-        return leaf in targets or (parent is not None and (parent in targets or any(
-            PACKED.get(t) == parent for t in targets)))  # fmt: skip
+        return leaf in targets or (
+            parent is not None and (parent in targets or any(PACKED.get(t) == parent for t in targets))
+        )
 
     missing = sorted(leaf for leaf in leaves if targets and not covered(leaf))
     if missing:  # vLLM would load the adapter and silently not apply it to these modules
@@ -109,20 +118,23 @@ def served_transport(requested: str, infos: Sequence[dict], urls: Sequence[str],
             )
         found.append(TRANSPORTS[engine])
     if len(set(found)) > 1:
-        raise VLLMServerError(f"the vLLM servers were started with different weight transports {dict(zip(urls, found, strict=True))}: "
-                              "one push group needs one; restart them with the same --weight-transfer-config")  # fmt: skip
+        raise VLLMServerError(
+            f"the vLLM servers were started with different weight transports {dict(zip(urls, found, strict=True))}: "
+            "one push group needs one; restart them with the same --weight-transfer-config"
+        )
     transport = found[0]
     if requested not in ("auto", transport):
         engine = "trl_async_gloo" if requested == "gloo" else "nccl"
         raise VLLMServerError(
-            f"vLLM server {', '.join(urls)} has no '{engine}' weight-transfer engine (it was started with {transport}): add "
-            f"--weight-transfer-config '{{\"backend\": \"{engine}\"}}', or set rollout_vllm_weight_transport='auto'; "
-            f"{hint}"
+            f"vLLM server {', '.join(urls)} has no '{engine}' weight-transfer engine (it was started with "
+            f'{transport}): add --weight-transfer-config \'{{"backend": "{engine}"}}\', or set '
+            f"rollout_vllm_weight_transport='auto'; {hint}"
         )
     if transport == "nccl" and not trainer_device.startswith("cuda"):
         raise VLLMServerError(
             f"vLLM server {urls[0]} receives weights over NCCL, which needs the trainer on a GPU, but it runs on "
-            f"{trainer_device}: start CPU servers with `python -m trl_async.vllm_serve --transport gloo`, or train on a GPU"
+            f"{trainer_device}: start CPU servers with `python -m trl_async.vllm_serve --transport gloo`, or train on "
+            "a GPU"
         )
     return transport
 

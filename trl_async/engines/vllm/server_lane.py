@@ -167,9 +167,12 @@ class VLLMLane(HoldsTasks):
         adapter = self.adapters.acquire(self.spec.request_timeout_s) if self.adapters is not None else None
         try:
             return self.server.generate(
-                prompt_ids, params, stopped=self._stopped.is_set,
-                alive=lambda: self.silent_for(time.time()) < self.spec.request_timeout_s, adapter=adapter,
-            )  # fmt: skip
+                prompt_ids,
+                params,
+                stopped=self._stopped.is_set,
+                alive=lambda: self.silent_for(time.time()) < self.spec.request_timeout_s,
+                adapter=adapter,
+            )
         finally:
             if adapter is not None:
                 self.adapters.release(adapter[1])
@@ -215,7 +218,7 @@ class VLLMLane(HoldsTasks):
                     "n": len(rows),
                     "seed": params["seed"] + 7919 * (task.rows[rows[0]] + 1) + 104_729 * len(context),
                 },
-            )  # fmt: skip
+            )
             for context, rows in rows_of.items()
         ]
         answers = self._generate_all(requests)
@@ -242,8 +245,10 @@ class VLLMLane(HoldsTasks):
                 except Exception as exc:  # noqa: BLE001 - raised below, on the lane's thread
                     errors.append(exc)
 
-        threads = [threading.Thread(target=run, args=(i,), name=f"trl_async-vllm{self.lane_id}-turn", daemon=True)
-                   for i in range(len(requests))]  # fmt: skip
+        threads = [
+            threading.Thread(target=run, args=(i,), name=f"trl_async-vllm{self.lane_id}-turn", daemon=True)
+            for i in range(len(requests))
+        ]
         for t in threads:
             t.start()
         for t in threads:
