@@ -32,6 +32,7 @@ from .consumption import next_ready
 from .dispatch import later_turn_chunk, pick_lane
 from .lanes import Lanes, RolloutLaneError, RolloutWorkerError  # noqa: F401 - raised to the trainer
 from .prompts import PromptStream
+from .readouts import PoolReadouts
 from .scored import ScoredGroup, TakeStats, TakeTally
 from .staleness import staleness
 
@@ -57,7 +58,7 @@ class PoolSettings:
     consumption_window: int | None = None  # None: arrival order; k: admission order within k groups (consumption.py)
 
 
-class RolloutPool:
+class RolloutPool(PoolReadouts):
     def __init__(
         self,
         backend: Backend,
@@ -138,16 +139,6 @@ class RolloutPool:
             t.start()
 
     # ---- main thread -------------------------------------------------------------------------------------------
-    @property
-    def publish_target(self) -> dict[str, torch.Tensor]:
-        """Where the next ``publish`` writes in place (``SharedMemoryWeights.spare_tensors``), or ``None``."""
-        return self.backend.publish_target
-
-    @property
-    def base_target(self) -> dict[str, torch.Tensor]:
-        """Where ``publish_base`` writes in place (adapter-only LoRA sync), or ``None``."""
-        return self.backend.base_target
-
     def publish_base(
         self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]], version: int, digest: Digest | None = None
     ) -> None:
@@ -277,50 +268,6 @@ class RolloutPool:
             close()
         if unreported is not None:
             logger.warning("rollouts failed after the last batch was taken (nothing trained on it): %r", unreported)
-
-    @property
-    def processes(self) -> list:
-        """The current worker processes (a restarted worker's new process replaces the lost one)."""
-        return [w.process for w in self.lanes.current]
-
-    def outstanding(self, lane_id: int) -> list[RolloutTask]:
-        """Groups handed to a lane and not yet returned (for diagnostics)."""
-        with self._cv:
-            return list(self.lanes.current[lane_id].outstanding.values())
-
-    # what the lanes observed (lanes.py)
-    lane_versions = property(lambda self: self.lanes.lane_versions)
-    lane_restarts = property(lambda self: self.lanes.lane_restarts)
-    lost_lanes = property(lambda self: self.lanes.lost_lanes)
-    verified_adoptions = property(lambda self: self.lanes.verified_adoptions)
-    published_version = property(
-        lambda self: self._ledger.published
-    )  # the newest version workers can see (None: none)
-    placement = property(lambda self: self.lanes.placement)  # worker id -> (cores, torch threads), as reported
-
-    @property
-    def runner(self):
-        """The episode or ``rollout_func`` runner that starts and continues groups (``None``: single-turn)."""
-        return self._episodes
-
-    @property
-    def admitted(self) -> int:
-        """Groups dispatched to workers so far, not counting dropped ones."""
-        with self._cv:
-            return self._ledger.admitted
-
-    @property
-    def in_flight(self) -> int:
-        """Groups admitted and not yet consumed: queued, being generated or scored, or ready (bounded by
-        ``queue_size``)."""
-        with self._cv:
-            return self._ledger.in_flight
-
-    @property
-    def ready_count(self) -> int:
-        """Scored groups waiting for the trainer."""
-        with self._cv:
-            return len(self._ready)
 
     # ---- background threads ------------------------------------------------------------------------------------
     def _guard(self, loop: Callable[[], None]) -> Callable[[], None]:
