@@ -14,6 +14,7 @@ from accelerate.utils import is_peft_model
 from transformers.utils import logging
 from trl.data_utils import is_conversational
 
+from .engines.transformers.continuous import continuous_slots
 from .engines.transformers.worker import WorkerSpec
 from .engines.transformers.worker_process import ProcessBackend
 from .precision import device_precision
@@ -32,6 +33,7 @@ from .weights.lora import adapter_tensors
 from .weights.policy import policy_specs
 
 logger = logging.get_logger(__name__)
+CONTEXT_ESTIMATE = 512  # prompt tokens a continuous-batching worker's KV cache is sized for, per row (rows share it)
 
 
 def start_pool(trainer, progress: dict | None = None) -> RolloutPool:
@@ -141,6 +143,13 @@ def process_backend(trainer, model) -> ProcessBackend:
     fp16 = args.fp16 and trainer.accelerator.device.type != "cpu"  # accelerate autocasts only bf16 on a CPU
     split = trainer._core_split  # rollout_cpu_affinity: each worker's cores
     merges = adapter_tensors(model)[2] if trainer._adapter_sync else ()  # how workers rebuild the adapted weights
+    slots, why_static = continuous_slots(a.rollout_continuous_batching, trainer.generation_config,
+                                         a.rollout_device or "cpu", trainer._geometry.groups_per_call,
+                                         trainer.num_generations)  # fmt: skip
+    if why_static is not None and a.rollout_continuous_batching is None:
+        logger.info("rollout workers batch statically (one generate call per chunk): %s", why_static)
+    max_context = min(getattr(base.config, "max_position_embeddings", None) or 2**20,
+                      CONTEXT_ESTIMATE + (trainer.generation_config.max_new_tokens or 0))  # fmt: skip
     specs = [
         WorkerSpec(
             worker_id=i,
@@ -154,7 +163,9 @@ def process_backend(trainer, model) -> ProcessBackend:
             num_generations=trainer.num_generations,
             eos_token_ids=tuple(trainer.eos_token_ids),
             pad_token_id=trainer._tokenizer.pad_token_id,
-            weight_update=a.resolved_weight_update,
+            weight_update=a.rollout_weight_update or ("decode_step" if slots else "batch"),
+            slots=slots,
+            max_context=max_context,
             torch_threads=(a.rollout_torch_threads or len(split.workers[i])) if split else a.resolved_rollout_threads,
             nice=a.resolved_rollout_nice,
             seed=args.seed + 1 + i + 100_003 * trainer.state.global_step,

@@ -15,6 +15,7 @@ from torch import nn
 from transformers.utils import logging
 from trl.data_utils import is_conversational
 
+from .engines.transformers.continuous import continuous_blocker
 from .generation_modes import refused_generation
 from .precision import emulated_precision_warning
 
@@ -122,6 +123,13 @@ def check_after_loading(trainer) -> None:
         refused = refused_generation(trainer.generation_config)
         if refused is not None:
             raise ValueError(f"GRPOConfig.generation_kwargs={trainer.args.generation_kwargs!r} is invalid: {refused}")
+        if trainer.async_args.rollout_continuous_batching:
+            blocker = continuous_blocker(trainer.generation_config)
+            if blocker is not None:
+                raise ValueError(
+                    f"AsyncGRPOConfig.rollout_continuous_batching=True is invalid with this sampler: {blocker}. Leave "
+                    "it None (static batches then) or change the sampler"
+                )
     data = trainer.train_dataset
     if trainer.tools and data is not None and "prompt" in data.column_names and not is_conversational(data[0]):
         raise ValueError(

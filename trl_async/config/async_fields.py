@@ -146,10 +146,23 @@ class AsyncFields(ResolvedDefaults):
     rollout_weight_update: WeightUpdatePoint | None = field(
         default=None,
         metadata={
-            "help": "When generation adopts new weights: 'batch' between generate calls (vLLM: a push waits for "
-            "running requests to finish), or 'decode_step' between decode steps (in flight; a completion may then "
-            "carry tokens of several versions, each tagged with its own). Default: 'batch' for transformers "
-            "workers, 'decode_step' for vLLM servers."
+            "help": "When generation adopts new weights: 'batch' between generate calls (continuous batching: when "
+            "no row is decoding; vLLM: a push waits for running requests to finish), or 'decode_step' between "
+            "decode steps (in flight; a completion may then carry tokens of several versions, each tagged with its "
+            "own). Default: 'decode_step' for vLLM servers and continuously batching workers, 'batch' for "
+            "transformers workers that batch statically."
+        },
+    )
+    rollout_continuous_batching: bool | None = field(
+        default=None,
+        metadata={
+            "help": "transformers workers: generate with transformers' continuous batching (a paged KV cache; a "
+            "finished row's slot takes the next queued row at once, so no row waits for the longest one of its "
+            "batch). Each worker decodes rollout_batch_groups * num_generations rows at once, and adopts new weights "
+            "between decode steps unless rollout_weight_update='batch'. Default None: on for CPU workers where the "
+            "sampler allows it (no repetition_penalty, min_new_tokens or beam search: its processors see only the "
+            "current token), else static batches of one generate call each. True: on, also on a GPU, refused where "
+            "the sampler does not allow it. False: static batches."
         },
     )
     rollout_torch_threads: int | None = field(

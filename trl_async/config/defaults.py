@@ -76,6 +76,8 @@ class ResolvedDefaults:
 
     @property
     def resolved_weight_update(self) -> str:
+        """vLLM servers' default; transformers workers decide where they know whether they batch continuously
+        (pool_setup.py)."""
         if self.rollout_weight_update is not None:
             return self.rollout_weight_update
         return "decode_step" if self.rollout_backend == "vllm" else "batch"

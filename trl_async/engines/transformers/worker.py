@@ -50,6 +50,10 @@ class WorkerSpec:
     # adapter-only LoRA sync (weights/lora.py): how to rebuild each adapted weight from the frozen base and the
     # factors of a version; empty when the workers receive full weights
     lora_merges: tuple[LoraMerge, ...] = ()
+    # continuous batching (continuous.py): at most ``slots`` rows decode at once, each within ``max_context`` tokens;
+    # 0 slots: static batches, one ``generate`` call per chunk
+    slots: int = 0
+    max_context: int = 0
 
 
 NEUTRAL_SAMPLING = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=None, typical_p=1.0, epsilon_cutoff=0.0,
@@ -313,6 +317,9 @@ def worker_main(
         adopt()
         cores = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
         results.send(WorkerReady(spec.worker_id, os.getpid(), cores, torch.get_num_threads()))
+        if spec.slots:
+            serve_continuously(model, spec, weights, tasks, results, adopt, lambda: state["version"])
+            return
         in_flight = adopt if spec.weight_update == "decode_step" else None
         while True:
             chunk = tasks.recv()  # admitted groups for one generate call, or None to stop
@@ -336,3 +343,37 @@ def worker_main(
     except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
         with contextlib.suppress(Exception):
             results.send(LaneFailed(spec.worker_id, traceback.format_exc()))
+
+
+def serve_continuously(model, spec: WorkerSpec, weights, tasks, results, adopt, version: Callable[[], int]) -> None:
+    """The worker's loop with continuous batching: tasks join as they arrive, groups leave as they finish, and new
+    weights are adopted between two decode steps (``weight_update="decode_step"``) or when no row is decoding
+    (``"batch"``). A task admitted at a version the worker does not hold yet waits for it, so no group starts on
+    weights older than its admission (as a static batch adopts before its ``generate`` call). Returns on a ``None``
+    task."""
+    from .continuous import ContinuousRows
+
+    rows = ContinuousRows(model, spec.generation_config, spec.num_generations, spec.eos_token_ids, spec.slots,
+                          spec.max_context, version, lane_id=spec.worker_id)  # fmt: skip
+    held: list[RolloutTask] = []  # received, admitted at a version newer than the one held
+    try:
+        while True:
+            wait_s = 0.0 if rows.busy or held else 0.05
+            while tasks.poll(wait_s):
+                chunk = tasks.recv()
+                if chunk is None:
+                    return
+                held.extend(chunk)
+                wait_s = 0.0
+            if weights.version > version() and (spec.weight_update == "decode_step" or not rows.busy):
+                rows.swap(adopt)
+            startable = [t for t in held if t.admitted_at_version <= version()]
+            if startable:
+                held = [t for t in held if t.admitted_at_version > version()]
+                rows.submit(startable)
+            for group in rows.finished(timeout_s=0.02 if rows.busy else 0.0):
+                results.send(group)
+            if held and not rows.busy and not startable:
+                time.sleep(0.005)  # waiting for weights to be published
+    finally:
+        rows.close()

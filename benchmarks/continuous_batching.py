@@ -1,0 +1,169 @@
+"""Continuous batching against static batches in one rollout worker's generation, the same prompts, in one run.
+
+Static: chunks of ``slots`` rows, one ``generate`` call each (what the transformers workers do without continuous
+batching): every row of a chunk waits for the chunk's longest row. Continuous: ``ContinuousRows`` over transformers'
+continuous batching with ``slots`` rows decoding at once, a finished row's slot taken by the next row at once.
+Completion lengths come from the model (each side samples its own), so the comparison is completion tokens per second
+(tokens kept, through each row's first EOS), plus the share of slot time spent on kept tokens.
+
+    python benchmarks/continuous_batching.py                       # CPU: the real SmolLM2-135M-Instruct, ~6 min
+    python benchmarks/continuous_batching.py --device cuda --slots 64 256 --prompts 512   # a GPU
+
+Writes results/continuous_batching{,_<device>}.{json,png} (the png: rows decoding over time in each mode) and its table
+in README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import report  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
+
+from trl_async.demo.arithmetic import make_split  # noqa: E402
+from trl_async.demo.pretrained import smollm2_135m_instruct  # noqa: E402
+from trl_async.engines.transformers.continuous import ContinuousRows  # noqa: E402
+from trl_async.engines.transformers.worker import generate_groups  # noqa: E402
+from trl_async.records import RolloutTask  # noqa: E402
+
+
+def prompts(tokenizer, n: int) -> list[tuple[int, ...]]:
+    rows = make_split("train", n, seed=0)
+    return [
+        tuple(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False))
+        for r in rows
+    ]
+
+
+def run_static(model, config, eos, pad, rows, slots) -> dict:
+    start, spans, kept = time.time(), [], 0
+    for i in range(0, len(rows), slots):
+        chunk = [RolloutTask(j, j, p, 0) for j, p in enumerate(rows[i : i + slots])]
+        begun = time.time()
+        groups = generate_groups(model, chunk, config, 1, eos, pad, lambda: 0)
+        ended = time.time()
+        lengths = [len(c) for g in groups for c in g.completion_ids]
+        kept += sum(lengths)
+        longest = max(lengths)
+        for n in lengths:  # a row is useful until its own last token, idle (padding) after it
+            spans.append((begun, begun + (ended - begun) * n / longest))
+    wall = time.time() - start
+    return {"wall_s": wall, "tokens": kept, "tokens_per_s": kept / wall, "timeline": occupancy(spans, start)}
+
+
+def run_continuous(model, config, eos, rows, slots) -> dict:
+    engine = ContinuousRows(model, config, 1, eos, slots=slots, max_context=max(map(len, rows)) + config.max_new_tokens,
+                            current_version=lambda: 0)  # fmt: skip
+    try:
+        start = time.time()
+        engine.submit([RolloutTask(j, j, p, 0) for j, p in enumerate(rows)])
+        kept = 0
+        while engine.busy:
+            kept += sum(len(c) for g in engine.finished(0.5) for c in g.completion_ids)
+        wall = time.time() - start
+        timeline = [(t - start, n) for t, n in engine.occupancy]
+    finally:
+        engine.close()
+    return {"wall_s": wall, "tokens": kept, "tokens_per_s": kept / wall, "timeline": timeline}
+
+
+def occupancy(spans, start) -> list[tuple[float, int]]:
+    events = sorted([(s - start, 1) for s, _ in spans] + [(e - start, -1) for _, e in spans])
+    out, n = [], 0
+    for t, d in events:
+        n += d
+        out.append((t, n))
+    return out
+
+
+def busy_share(timeline, slots, wall) -> float:
+    """Slot time spent decoding kept tokens, over slots x wall time."""
+    area = sum(n * (t1 - t0) for (t0, n), (t1, _) in zip(timeline, timeline[1:], strict=False))
+    return area / (slots * wall)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--slots", type=int, nargs="*", default=[8, 16])
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--max_new_tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    cli = parser.parse_args()
+    torch.set_num_threads(cli.threads)
+    path = smollm2_135m_instruct()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(cli.device).eval()
+    model.generation_config.use_cache = True
+    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=cli.max_new_tokens,
+                              pad_token_id=tokenizer.pad_token_id, eos_token_id=[tokenizer.eos_token_id])  # fmt: skip
+    eos, rows = [tokenizer.eos_token_id], prompts(tokenizer, cli.prompts)
+    results = []
+    for slots in cli.slots:
+        for mode in ("static", "continuous"):  # static first: continuous batching changes the model's attention
+            torch.manual_seed(0)
+            if mode == "static":
+                r = run_static(model, config, eos, tokenizer.pad_token_id, rows, slots)
+            else:
+                r = run_continuous(model, config, eos, rows, slots)
+            r.update(mode=mode, slots=slots, busy_share=busy_share(r["timeline"], slots, r["wall_s"]))
+            print(f"{mode:10s} slots {slots:3d}: {r['tokens_per_s']:7.1f} tok/s, {r['wall_s']:6.1f} s, "
+                  f"slots busy {r['busy_share']:.2f}", flush=True)  # fmt: skip
+            results.append(r)
+        # continuous batching switched the model to paged attention: reload for the next static run
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(cli.device).eval()
+        model.generation_config.use_cache = True
+    name = "continuous_batching" + ("" if cli.device == "cpu" else f"_{cli.device.split(':')[0]}")
+    device = torch.cuda.get_device_name() if cli.device.startswith("cuda") else "cpu"
+    report.write_json(name, {"device": device, "prompts": cli.prompts, "max_new_tokens": cli.max_new_tokens,
+                             "threads": cli.threads, "transformers": __import__("transformers").__version__,
+                             "results": results})  # fmt: skip
+    plot(results, report.png_path(name))
+    rows_out = []
+    for slots in cli.slots:
+        static, cont = (
+            next(r for r in results if r["slots"] == slots and r["mode"] == m) for m in ("static", "continuous")
+        )
+        rows_out.append([slots, static["tokens_per_s"], cont["tokens_per_s"], cont["tokens_per_s"] / static["tokens_per_s"],
+                         static["busy_share"], cont["busy_share"]])  # fmt: skip
+    table = report.markdown_table(
+        ["slots (rows)", "static tok/s", "continuous tok/s", "speed-up", "static slots busy", "continuous slots busy"],
+        rows_out,
+    )
+    command = "python benchmarks/continuous_batching.py" + ("" if cli.device == "cpu" else f" --device {cli.device}")
+    report.update_readme(name, f"`{command}` (SmolLM2-135M-Instruct, {cli.prompts} arithmetic prompts, sampled "
+                         f"at temperature 1, up to {cli.max_new_tokens} tokens, {device}, {cli.threads} threads)\n\n"
+                         f"{table}\n\n![rows decoding over time](results/{name}.png)")  # fmt: skip
+
+
+def plot(results, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    slots = sorted({r["slots"] for r in results})
+    fig, axes = plt.subplots(len(slots), 1, figsize=(8, 2.6 * len(slots)), squeeze=False)
+    for ax, n in zip(axes[:, 0], slots, strict=True):
+        for r in (r for r in results if r["slots"] == n):
+            t, k = zip(*r["timeline"], strict=True) if r["timeline"] else ((), ())
+            ax.step(t, k, where="post", label=f"{r['mode']} ({r['tokens_per_s']:.0f} tok/s)")
+        ax.set_title(f"{n} slots")
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("rows decoding")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

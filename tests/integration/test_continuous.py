@@ -1,0 +1,125 @@
+"""Continuous batching in the worker (in-process, the tiny model): rows that join a running batch, groups that leave
+it as they finish, and weights swapped between two decode steps, each token tagged with the version that produced it
+and carrying its behaviour log-prob."""
+
+import time
+
+import torch
+from transformers import GenerationConfig
+
+from trl_async.demo.tiny import build_char_tokenizer, build_tiny_model
+from trl_async.engines.transformers.continuous import ContinuousRows
+from trl_async.records import RolloutTask
+
+TEMPERATURE, TOP_K = 0.7, 6
+
+
+def _setup(max_new_tokens=10, eos=True, seed=0):
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, seed=seed).eval()
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=True,
+        temperature=TEMPERATURE,
+        top_k=TOP_K,
+        top_p=1.0,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=[tok.eos_token_id] if eos else [],
+    )
+    return tok, model, config
+
+
+def _teacher_forced_logps(model, prompt, completion):
+    """log-probs of ``completion`` under softmax(top_k(logits / T)), from one full forward pass."""
+    ids = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1] / TEMPERATURE
+    kth = logits.topk(TOP_K, dim=-1).values[:, -1:]
+    logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def _run(rows, timeout_s=60.0):
+    done, deadline = [], time.monotonic() + timeout_s
+    while rows.busy:
+        assert time.monotonic() < deadline, "rows never finished"
+        done += rows.finished(0.2)
+    return done
+
+
+def test_rows_that_join_mid_batch_carry_the_log_probs_of_the_distribution_they_sampled():
+    tok, model, config = _setup()
+    version = {"v": 3}
+    # 3 groups of 4 rows through 3 slots: most rows start when another row's slot frees up
+    rows = ContinuousRows(model, config, 4, [tok.eos_token_id], slots=3, max_context=64, current_version=lambda: 3)
+    try:
+        prompts = [tuple(tok(text)["input_ids"]) for text in ("ab 1+2=", "zz", "q 7")]
+        torch.manual_seed(1)
+        rows.submit([RolloutTask(i, i, p, 0) for i, p in enumerate(prompts)])
+        assert rows.active == 3 and len(rows.waiting) == 9  # the slots bound the rows decoding at once
+        groups = _run(rows)
+    finally:
+        rows.close()
+    assert sorted(g.group_id for g in groups) == [0, 1, 2]
+    checked = 0
+    for group in groups:
+        assert len(group.completion_ids) == 4 and group.prompt_ids == prompts[group.group_id]
+        for completion, logps, versions in zip(group.completion_ids, group.logprobs, group.versions, strict=True):
+            torch.testing.assert_close(
+                torch.tensor(logps), _teacher_forced_logps(model, group.prompt_ids, completion), atol=1e-5, rtol=0
+            )
+            assert versions == (version["v"],) * len(completion)
+            assert tok.eos_token_id not in completion[:-1]
+            checked += len(completion)
+    assert checked >= 12
+
+
+def test_a_short_group_leaves_before_a_long_one_that_started_first():
+    tok, model, config = _setup(max_new_tokens=40, eos=False)
+    rows = ContinuousRows(model, config, 2, [], slots=4, max_context=64, current_version=lambda: 0)
+    try:
+        long = RolloutTask(0, 0, (5, 6, 7), 0)
+        short = RolloutTask(1, 1, (), 0, contexts=((8, 9), (10, 11)), rows=(0, 1), max_new_tokens=3)
+        rows.submit([long, short])
+        first = []
+        while not first:
+            first = rows.finished(0.2)
+        assert [g.group_id for g in first] == [1]  # the later turn's 3-token budget: done while the long one decodes
+        assert all(len(c) == 3 for c in first[0].completion_ids) and first[0].rows == (0, 1)
+        (rest,) = _run(rows)
+        assert rest.group_id == 0 and all(len(c) == 40 for c in rest.completion_ids)
+    finally:
+        rows.close()
+
+
+def test_weights_swapped_between_decode_steps_give_each_token_its_versions_distribution():
+    """The swap resets the rows in flight (their KV prefilled again with the new weights): every token's mu is a
+    teacher-forced forward of its own version, the tokens before the swap of the old one, after it of the new one."""
+    tok, model, config = _setup(max_new_tokens=120, eos=False)
+    weights = {0: {k: v.clone() for k, v in model.state_dict().items()}, 1: build_tiny_model(tok, seed=1).state_dict()}
+    state = {"v": 0}
+
+    def adopt():
+        model.load_state_dict(weights[1])
+        state["v"] = 1
+
+    rows = ContinuousRows(model, config, 2, [], slots=2, max_context=256, current_version=lambda: state["v"])
+    try:
+        rows.submit([RolloutTask(0, 0, (5, 6, 7), 0), RolloutTask(1, 1, (8, 9), 0)])  # group 1 waits for a slot
+        time.sleep(0.05)  # some of group 0's 120 decode steps
+        rows.swap(adopt)
+        groups = {g.group_id: g for g in _run(rows)}
+    finally:
+        rows.close()
+    assert any(0 in v for v in groups[0].versions) and any(1 in v for g in groups.values() for v in g.versions)
+    checked = 0
+    for group in groups.values():
+        for completion, logps, versions in zip(group.completion_ids, group.logprobs, group.versions, strict=True):
+            switch = versions.index(1) if 1 in versions else len(versions)
+            assert versions == (0,) * switch + (1,) * (len(versions) - switch)  # old weights, then new, never back
+            for version, span in ((0, slice(0, switch)), (1, slice(switch, None))):
+                model.load_state_dict(weights[version])
+                expected = _teacher_forced_logps(model, group.prompt_ids, completion)
+                torch.testing.assert_close(torch.tensor(logps)[span], expected[span], atol=1e-5, rtol=0)
+                checked += len(completion[span])
+    assert checked == 4 * 120

@@ -1,0 +1,38 @@
+import pytest
+from transformers import GenerationConfig
+
+from trl_async.engines.transformers.continuous import continuous_blocker, continuous_slots, cut_at_eos, versions_of
+
+
+def test_samplers_that_read_a_rows_history_or_search_beams_keep_static_batches():
+    assert continuous_blocker(GenerationConfig(do_sample=True, temperature=0.7, top_k=5, top_p=0.9, min_p=0.1)) is None
+    assert "repetition_penalty=1.2" in continuous_blocker(GenerationConfig(do_sample=True, repetition_penalty=1.2))
+    assert "min_new_tokens=3" in continuous_blocker(GenerationConfig(min_new_tokens=3))
+    assert "no_repeat_ngram_size=2" in continuous_blocker(GenerationConfig(no_repeat_ngram_size=2))
+    assert "beam search" in continuous_blocker(GenerationConfig(num_beams=2))
+    assert continuous_blocker(GenerationConfig(min_new_tokens=0)) is None
+
+
+def test_slots_are_the_rollout_batch_in_rows_on_cpu_by_default_and_on_a_gpu_when_asked():
+    config = GenerationConfig(do_sample=True)
+    assert continuous_slots(None, config, "cpu", groups_per_call=2, num_generations=4) == (8, None)
+    rows, why = continuous_slots(None, config, "cuda:1", 2, 4)
+    assert rows == 0 and "cuda:1" in why and "rollout_continuous_batching=True" in why
+    assert continuous_slots(True, config, "cuda:1", 2, 4) == (8, None)
+    assert continuous_slots(False, config, "cpu", 2, 4) == (0, "rollout_continuous_batching=False")
+    assert continuous_slots(None, GenerationConfig(repetition_penalty=1.1), "cpu", 2, 4)[0] == 0
+
+
+def test_a_row_s_tokens_take_the_version_that_began_at_or_before_them():
+    # started at version 3; weights swapped after its 2nd token (version 4) and after its 5th (version 5)
+    assert versions_of([(0, 3), (2, 4), (5, 5)], 7) == (3, 3, 4, 4, 4, 5, 5)
+    # swapped before its first token: the later mark at the same index wins
+    assert versions_of([(0, 3), (0, 4)], 3) == (4, 4, 4)
+    assert versions_of([(0, 3)], 0) == ()
+
+
+@pytest.mark.parametrize(
+    "tokens,budget,kept", [((5, 6, 2, 7), None, 3), ((5, 6, 7), None, 3), ((5, 2, 2), 1, 1), ((5, 6, 7, 8), 2, 2)]
+)
+def test_a_completion_ends_at_its_first_eos_within_its_budget(tokens, budget, kept):
+    assert cut_at_eos(tokens, {2}, budget) == kept

@@ -1,0 +1,250 @@
+"""Continuous batching in a transformers worker: a finished row's slot takes the next queued row at once.
+
+The batching is transformers' own (``model.init_continuous_batching``: a paged KV cache, rows joining and leaving
+between decode steps). This module adds what a rollout worker needs on top of it:
+
+- **Groups.** A task is ``num_generations`` rows of one prompt, or one row per context of a later turn, each with its
+  own token budget. At most ``slots`` rows decode at once; the rest wait here, and a group is returned as soon as its
+  last row finishes, not with a batch.
+- **Behaviour log-probs.** The manager's ``return_logprobs``: each token's log-prob under the processed distribution
+  it was sampled from (temperature, top-k, top-p, min-p and the other warpers, in ``generate``'s order).
+- **Per-token versions, each token from one version.** New weights are copied in while the manager is paused between
+  decode steps (``swap``), and every row in flight is reset the way transformers resets a row it evicts: its KV cache
+  is dropped and its prompt and tokens so far are prefilled again, now with the new weights. So a token sampled after
+  the swap saw only the new weights (as a vLLM server recomputes its KV after a push), its behaviour log-prob equals a
+  teacher-forced forward of that version, and the row records the index where each version begins.
+
+What transformers' continuous batching lacks, and the static path (``generate_groups``) keeps: processors that read
+a row's history (``repetition_penalty``, ``min_new_tokens``, ``no_repeat_ngram_size``, ...; its processors see only
+the current token) and beam search. ``continuous_blocker`` names them; the worker then batches statically.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...records import RolloutGroup, RolloutTask
+
+# GenerationConfig fields whose processors read each row's history (or are not sampling at all): with any of them
+# set, continuous batching would sample from another distribution than the trainer rebuilds
+HISTORY_FIELDS = {
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "min_new_tokens": None,
+    "min_length": 0,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+    "bad_words_ids": None,
+    "sequence_bias": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "exponential_decay_length_penalty": None,
+    "stop_strings": None,
+    "guidance_scale": None,
+    "watermarking_config": None,
+    "renormalize_logits": False,
+}
+PAGE_SIZE = 32  # tokens per KV-cache block
+
+
+def continuous_blocker(config: Any) -> str | None:
+    """Why continuous batching cannot sample exactly what ``generate`` would with ``config`` (a GenerationConfig), or
+    ``None``."""
+    if (getattr(config, "num_beams", 1) or 1) > 1:
+        return f"num_beams={config.num_beams} is beam search"
+    for name, neutral in HISTORY_FIELDS.items():
+        value = getattr(config, name, neutral)
+        if value not in (neutral, None) and not (name == "min_new_tokens" and value == 0):
+            return f"{name}={value!r} reads each row's history, which continuous batching does not pass to processors"
+    return None
+
+
+def continuous_slots(setting: bool | None, config: Any, device: str, groups_per_call: int, num_generations: int
+                     ) -> tuple[int, str | None]:  # fmt: skip
+    """``(rows a worker decodes at once, why not)``: ``rollout_continuous_batching`` (``setting``) resolved against the
+    sampler (``config``) and the workers' device; 0 rows means static batches."""
+    if setting is False:
+        return 0, "rollout_continuous_batching=False"
+    blocker = continuous_blocker(config)
+    if blocker is None and setting is None and not device.startswith("cpu"):
+        blocker = f"the workers generate on {device}, where it is on only with rollout_continuous_batching=True"
+    return (0, blocker) if blocker else (groups_per_call * num_generations, None)
+
+
+def versions_of(marks: Sequence[tuple[int, int]], length: int) -> tuple[int, ...]:
+    """Each of a row's ``length`` tokens' version: ``marks`` are ``(index of the first token sampled with them,
+    version)`` in order; a later mark at the same index replaces an earlier one (weights swapped before a token)."""
+    starts = [start for start, _ in marks]
+    return tuple(marks[bisect.bisect_right(starts, i) - 1][1] for i in range(length))
+
+
+def generated_so_far(state) -> int:
+    """Tokens a transformers ``RequestState`` has generated, counting those a reset moved into its prompt."""
+    moved = len(state.initial_tokens) - state._true_initial_tokens if state._true_initial_tokens else 0
+    return moved + len(state.generated_tokens)
+
+
+def cut_at_eos(tokens: Sequence[int], eos: set[int], budget: int | None) -> int:
+    """How many of ``tokens`` a completion keeps: through its first EOS, at most ``budget``."""
+    length = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+    return length if budget is None else min(length, budget)
+
+
+@dataclass
+class _Pending:
+    task: RolloutTask
+    rows: list  # per row: (token ids, log-probs, versions), filled as rows finish
+    started_at: float
+    left: int = 0
+    budget: int | None = None
+
+
+@dataclass
+class ContinuousRows:
+    """Rows waiting for a slot and groups waiting for their rows, around one continuous-batching manager."""
+
+    model: torch.nn.Module
+    generation_config: Any
+    num_generations: int
+    eos_token_ids: Sequence[int]
+    slots: int  # rows decoding at once
+    max_context: int  # the longest prompt + completion a row may reach (sizes the KV cache)
+    current_version: Callable[[], int]
+    lane_id: int = 0
+    waiting: deque = field(default_factory=deque)  # (request id, token ids, budget) not yet handed to the manager
+    pending: dict = field(default_factory=dict)  # task key -> _Pending
+    active: int = 0
+    occupancy: deque = field(default_factory=lambda: deque(maxlen=100_000))  # (time.time(), rows decoding) per change
+
+    def __post_init__(self) -> None:
+        from transformers import ContinuousBatchingConfig
+
+        config = self.generation_config
+        self._max_new = config.max_new_tokens
+        blocks = self.slots * (math.ceil(self.max_context / PAGE_SIZE) + 1)
+        settings = ContinuousBatchingConfig(
+            num_blocks=blocks,
+            page_size=PAGE_SIZE,
+            max_batch_tokens=max(256, 4 * self.slots),
+            return_logprobs=True,
+            allow_block_sharing=False,  # cached prefixes would hold the KV of older weights
+            use_async_batching=False,  # a pause then sees every row's tokens as they are
+            cpu_offload_space=0.0,  # an evicted row is prefilled again (with the weights of that moment), never restored
+        )
+        self._eos = set(self.eos_token_ids)
+        self.manager = self.model.init_continuous_batching(
+            generation_config=config, continuous_batching_config=settings
+        )
+        self.manager.start()
+        self._rows_of: dict[str, tuple[tuple, int]] = {}  # request id -> (task key, row)
+        self._marks: dict[str, list[tuple[int, int]]] = {}  # request id -> (first token index, version), in order
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.pending)
+
+    def submit(self, tasks: Sequence[RolloutTask]) -> None:
+        now = time.time()
+        for task in tasks:
+            contexts = [list(c) for c in task.contexts] or [list(task.prompt_ids)] * self.num_generations
+            budget = task.max_new_tokens or self._max_new
+            self.pending[task.key] = _Pending(task, [None] * len(contexts), now, len(contexts), budget)
+            for row, ids in enumerate(contexts):
+                request = f"{task.group_id}/{'.'.join(map(str, task.rows))}/{row}"
+                self._rows_of[request] = (task.key, row)
+                self.waiting.append((request, ids, budget))
+        self._fill()
+
+    def _fill(self) -> None:
+        while self.waiting and self.active < self.slots:
+            request, ids, budget = self.waiting.popleft()
+            self._marks[request] = [(0, self.current_version())]
+            self.manager.add_request(
+                ids,
+                request_id=request,
+                max_new_tokens=budget,
+                eos_token_id=list(self.eos_token_ids),
+            )
+            self.active += 1
+            self.occupancy.append((time.time(), self.active))
+
+    def swap(self, adopt: Callable[[], None]) -> None:
+        """Adopt new weights between two decode steps. Every row in flight is reset (its KV cache dropped, its tokens
+        so far prefilled again with the new weights), and its next token is the new version's."""
+        from transformers.generation.continuous_batching.requests import RequestStatus
+
+        with self.manager.pause():
+            adopt()
+            version = self.current_version()
+            processor = self.manager.batch_processor
+            scheduler, cache = processor.scheduler, processor.cache
+            counts = {rid: generated_so_far(state) for rid, state in scheduler.waiting_requests.items()}
+            for rid, state in list(scheduler.active_requests.items()):
+                counts[rid] = generated_so_far(state)
+                fresh = state.create_equivalent_initial_request()
+                cache.free_blocks(rid, no_cache=True)
+                state._status = RequestStatus.FINISHED
+                scheduler.finish_request(rid)
+                scheduler.add_waiting_request(fresh)
+            for rid, marks in self._marks.items():  # rows not yet seen by the scheduler have no token yet
+                marks.append((counts.get(rid, 0), version))
+
+    def finished(self, timeout_s: float) -> list[RolloutGroup]:
+        """Groups whose last row finished (waits up to ``timeout_s`` for the first result)."""
+        done = []
+        result = self.manager.get_result(timeout=timeout_s)
+        while result is not None:
+            if result.error:
+                raise RuntimeError(f"continuous batching failed request {result.request_id}: {result.error}")
+            if result.is_finished():
+                group = self._row_done(result)
+                if group is not None:
+                    done.append(group)
+            result = self.manager.get_result(timeout=0)
+        self._fill()
+        return done
+
+    def _row_done(self, result) -> RolloutGroup | None:
+        key, row = self._rows_of.pop(result.request_id)
+        self.active -= 1
+        self.occupancy.append((time.time(), self.active))
+        pending = self.pending[key]
+        tokens = list(result.generated_tokens)
+        length = cut_at_eos(tokens, self._eos, pending.budget)
+        if len(result.logprobs or []) < length:
+            raise RuntimeError(
+                f"continuous batching returned {len(tokens)} tokens with {len(result.logprobs or [])} log-probs"
+            )
+        versions = versions_of(self._marks.pop(result.request_id), length)
+        pending.rows[row] = (tuple(tokens[:length]), tuple(float(x) for x in result.logprobs[:length]), versions)
+        pending.left -= 1
+        if pending.left:
+            return None
+        del self.pending[key]
+        task = pending.task
+        ids, logps, versions = zip(*pending.rows, strict=True)
+        return RolloutGroup(
+            group_id=task.group_id,
+            prompt_index=task.prompt_index,
+            prompt_ids=task.prompt_ids,
+            completion_ids=ids,
+            logprobs=logps,
+            versions=versions,
+            lane_id=self.lane_id,
+            generate_s=time.time() - pending.started_at,
+            generate_started_at=pending.started_at,
+            rows=task.rows,
+        )
+
+    def close(self) -> None:
+        self.manager.stop(block=True, timeout=10)
