@@ -11,7 +11,7 @@ from trl_async.demo.tiny import build_char_tokenizer, build_tiny_model
 from trl_async.engines.transformers.continuous import ContinuousRows
 from trl_async.records import RolloutTask
 
-TEMPERATURE, TOP_K = 0.7, 6
+from .test_worker import TEMPERATURE, TOP_K, _teacher_forced_logps
 
 
 def _setup(max_new_tokens=10, eos=True, seed=0):
@@ -27,16 +27,6 @@ def _setup(max_new_tokens=10, eos=True, seed=0):
         eos_token_id=[tok.eos_token_id] if eos else [],
     )
     return tok, model, config
-
-
-def _teacher_forced_logps(model, prompt, completion):
-    """log-probs of ``completion`` under softmax(top_k(logits / T)), from one full forward pass."""
-    ids = torch.tensor([list(prompt) + list(completion)])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1] / TEMPERATURE
-    kth = logits.topk(TOP_K, dim=-1).values[:, -1:]
-    logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
 def _run(rows, timeout_s=60.0):
