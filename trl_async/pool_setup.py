@@ -143,11 +143,7 @@ def process_backend(trainer, model) -> ProcessBackend:
     fp16 = args.fp16 and trainer.accelerator.device.type != "cpu"  # accelerate autocasts only bf16 on a CPU
     split = trainer._core_split  # rollout_cpu_affinity: each worker's cores
     merges = adapter_tensors(model)[2] if trainer._adapter_sync else ()  # how workers rebuild the adapted weights
-    slots, why_static = continuous_slots(a.rollout_continuous_batching, trainer.generation_config,
-                                         a.rollout_device or "cpu", trainer._geometry.groups_per_call,
-                                         trainer.num_generations)  # fmt: skip
-    if why_static is not None and a.rollout_continuous_batching is None:
-        logger.info("rollout workers batch statically (one generate call per chunk): %s", why_static)
+    slots = continuous_slots(a.rollout_continuous_batching, trainer._geometry.groups_per_call, trainer.num_generations)
     max_context = min(getattr(base.config, "max_position_embeddings", None) or 2**20,
                       CONTEXT_ESTIMATE + (trainer.generation_config.max_new_tokens or 0))  # fmt: skip
     specs = [

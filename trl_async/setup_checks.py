@@ -127,8 +127,8 @@ def check_after_loading(trainer) -> None:
             blocker = continuous_blocker(trainer.generation_config)
             if blocker is not None:
                 raise ValueError(
-                    f"AsyncGRPOConfig.rollout_continuous_batching=True is invalid with this sampler: {blocker}. Leave "
-                    "it None (static batches then) or change the sampler"
+                    f"AsyncGRPOConfig.rollout_continuous_batching=True is invalid with this sampler: {blocker}. Set "
+                    "it to False (static batches) or change the sampler"
                 )
     data = trainer.train_dataset
     if trainer.tools and data is not None and "prompt" in data.column_names and not is_conversational(data[0]):

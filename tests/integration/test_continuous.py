@@ -113,3 +113,31 @@ def test_weights_swapped_between_decode_steps_give_each_token_its_versions_distr
                 torch.testing.assert_close(torch.tensor(logps)[span], expected[span], atol=1e-5, rtol=0)
                 checked += len(completion[span])
     assert checked == 4 * 120
+
+
+def test_a_row_finished_before_a_swap_but_not_yet_collected_keeps_the_old_version():
+    tok, model, config = _setup(max_new_tokens=3, eos=False)
+    state = {"v": 0}
+
+    def adopt():
+        model.load_state_dict(build_tiny_model(tok, seed=1).state_dict())
+        state["v"] = 1
+
+    rows = ContinuousRows(model, config, 2, [], slots=2, max_context=64, current_version=lambda: state["v"])
+    try:
+        old = {k: v.clone() for k, v in model.state_dict().items()}
+        rows.submit([RolloutTask(0, 0, (5, 6, 7), 0)])
+        deadline = time.monotonic() + 30
+        while rows.manager.output_router.output_queue.qsize() < 2:  # both rows done, their results not collected
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        rows.swap(adopt)
+        (group,) = _run(rows)
+    finally:
+        rows.close()
+    model.load_state_dict(old)
+    for completion, logps, versions in zip(group.completion_ids, group.logprobs, group.versions, strict=True):
+        assert versions == (0, 0, 0)
+        torch.testing.assert_close(
+            torch.tensor(logps), _teacher_forced_logps(model, (5, 6, 7), completion), atol=1e-5, rtol=0
+        )

@@ -155,17 +155,20 @@ class VersionedTrainer(AsyncGRPOTrainer):
         return super()._publish_weights(version)
 
 
-@pytest.mark.parametrize("sync", ["adapters", "merged"])
+@pytest.mark.parametrize("sync", ["adapters", "merged", "continuous"])
 def test_workers_sample_from_the_trainers_adapted_model_of_each_version(tmp_path, tiny_model_dir, sync):
     """Every token's mu equals a teacher-forced forward of the trainer's peft model (adapters applied unmerged, as
     it trains) with the adapters of the token's version; each version after the first carries only the adapters.
     Weights are adopted between generate calls (the default): with in-flight adoption a completion's earlier tokens
-    stay in the KV cache from the older version, and no single-version forward reproduces it."""
+    stay in the KV cache from the older version, and no single-version forward reproduces it. ``continuous``:
+    adapters with continuous batching, rows joining mid-batch and weights adopted between decode steps, where the
+    rows in flight are re-encoded, so the same check holds for every token."""
     from peft import LoraConfig
 
     temperature = 0.7
     args = async_args(tmp_path, max_steps=4, temperature=temperature, learning_rate=5e-2, rollout_verify_weights=True,
-                      rollout_trajectory_file="traj.jsonl", rollout_lora_sync=sync)  # fmt: skip
+                      rollout_trajectory_file="traj.jsonl", rollout_lora_sync="merged" if sync == "merged" else
+                      "adapters", rollout_continuous_batching=sync == "continuous")  # fmt: skip
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
     kept = KeepPublished()
     trainer = VersionedTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=text_dataset(),
@@ -175,7 +178,7 @@ def test_workers_sample_from_the_trainers_adapted_model_of_each_version(tmp_path
     pool = trainer.last_rollout_pool
     backend = pool.backend
     assert pool.verified_adoptions >= 2  # workers hashed exactly what was published
-    if sync == "adapters":  # each version: the adapters alone
+    if sync != "merged":  # each version: the adapters alone
         assert backend.base is not None and all(".lora_" in n or n == SCALES for n in kept.weights)
         assert len(kept.weights) == 2 * 2 * len(TARGETS) + 1
     else:

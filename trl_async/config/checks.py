@@ -94,7 +94,7 @@ FIELD_RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("rollout_torch_threads", whole(1, optional=True),
      "set it to 1 or more, or None for the cores available divided among the workers"),
     ("dynamic_sampling", lambda v: isinstance(v, bool), "set True or False"),
-    ("rollout_continuous_batching", lambda v: v is None or isinstance(v, bool), "set True, False, or None for the default"),
+    ("rollout_continuous_batching", lambda v: isinstance(v, bool), "set True or False"),
     ("rollout_consumption_window", whole(1, optional=True),
      "set None (arrival order) or a whole number of groups >= 1 (1: strict admission order)"),
     ("dynamic_sampling_limit", whole(1, optional=True),

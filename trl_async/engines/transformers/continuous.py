@@ -69,16 +69,9 @@ def continuous_blocker(config: Any) -> str | None:
     return None
 
 
-def continuous_slots(setting: bool | None, config: Any, device: str, groups_per_call: int, num_generations: int
-                     ) -> tuple[int, str | None]:  # fmt: skip
-    """``(rows a worker decodes at once, why not)``: ``rollout_continuous_batching`` (``setting``) resolved against the
-    sampler (``config``) and the workers' device; 0 rows means static batches."""
-    if setting is False:
-        return 0, "rollout_continuous_batching=False"
-    blocker = continuous_blocker(config)
-    if blocker is None and setting is None and not device.startswith("cpu"):
-        blocker = f"the workers generate on {device}, where it is on only with rollout_continuous_batching=True"
-    return (0, blocker) if blocker else (groups_per_call * num_generations, None)
+def continuous_slots(enabled: bool, groups_per_call: int, num_generations: int) -> int:
+    """Rows a worker decodes at once: the rollout batch in rows with continuous batching, 0 for static batches."""
+    return groups_per_call * num_generations if enabled else 0
 
 
 def versions_of(marks: Sequence[tuple[int, int]], length: int) -> tuple[int, ...]:
@@ -196,8 +189,12 @@ class ContinuousRows:
                 state._status = RequestStatus.FINISHED
                 scheduler.finish_request(rid)
                 scheduler.add_waiting_request(fresh)
-            for rid, marks in self._marks.items():  # rows not yet seen by the scheduler have no token yet
-                marks.append((counts.get(rid, 0), version))
+            # a row finished before the pause waits in the output queue, all its tokens from the old weights; a row
+            # in neither place was added and not yet scheduled: no token yet
+            finished = {out.request_id for out in list(self.manager.output_router.output_queue.queue)}
+            for rid, marks in self._marks.items():
+                if rid not in finished:
+                    marks.append((counts.get(rid, 0), version))
 
     def finished(self, timeout_s: float) -> list[RolloutGroup]:
         """Groups whose last row finished (waits up to ``timeout_s`` for the first result)."""
