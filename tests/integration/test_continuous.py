@@ -4,13 +4,16 @@ and carrying its behaviour log-prob."""
 
 import time
 
+import pytest
 import torch
 from transformers import GenerationConfig
 
+from trl_async import AsyncGRPOTrainer
 from trl_async.demo.tiny import build_char_tokenizer, build_tiny_model
 from trl_async.engines.transformers.continuous import ContinuousRows
 from trl_async.records import RolloutTask
 
+from ..conftest import async_args, letter_reward, text_dataset
 from .test_worker import TEMPERATURE, TOP_K, _teacher_forced_logps
 
 
@@ -141,3 +144,9 @@ def test_a_row_finished_before_a_swap_but_not_yet_collected_keeps_the_old_versio
         torch.testing.assert_close(
             torch.tensor(logps), _teacher_forced_logps(model, (5, 6, 7), completion), atol=1e-5, rtol=0
         )
+
+
+def test_a_sampler_continuous_batching_cannot_reproduce_is_refused_at_construction(tmp_path, tiny_model_dir):
+    args = async_args(tmp_path, rollout_continuous_batching=True, repetition_penalty=1.1)
+    with pytest.raises(ValueError, match=r"rollout_continuous_batching=True is invalid.*repetition_penalty=1.1"):
+        AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=letter_reward, args=args, train_dataset=text_dataset())
