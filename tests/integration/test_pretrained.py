@@ -51,6 +51,17 @@ def test_a_gguf_with_the_wrong_checksum_is_refused(tmp_path, monkeypatch):
         pretrained.fetch_gguf(tmp_path / "dl")
 
 
+@pytest.mark.unit
+def test_without_gguf_the_error_names_the_extra_to_install(tmp_path, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name, *a))
+    with pytest.raises(ImportError, match=r"needs the `gguf` package: pip install 'trl_async\[demo\]'"):
+        pretrained.smollm2_135m_instruct(cache_dir=tmp_path / "cache")
+    assert not (tmp_path / "cache" / pretrained.MODEL_NAME).exists()
+
+
 @pytest.mark.real_model
 def test_converted_checkpoint_is_a_plain_pretrained_llama_that_does_arithmetic():
     import torch

@@ -204,3 +204,16 @@ def test_trl_parser_prints_help_and_offers_the_allowed_values():
     assert "--rollout_lora_sync {adapters,merged}" in text
     assert "--rollout_dtype {float32,bfloat16,float16}" in text
     assert "--off_policy_correction {decoupled,tis,mask,seq_tis,seq_mask,none}" in text
+
+
+def test_every_async_field_is_in_one_group_and_the_configuration_page_is_current():
+    from dataclasses import fields
+    from pathlib import Path
+
+    from trl_async.config import reference
+
+    grouped = [name for names in reference.GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(f.name for f in fields(AsyncFields) if f.init)
+    page = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+    assert page.read_text() == reference.markdown(), "regenerate: python -m trl_async.config.reference > " + str(page)
+    assert "    > The three dials" in AsyncGRPOConfig.__doc__ and "rollout_lora_sync (`" in AsyncGRPOConfig.__doc__

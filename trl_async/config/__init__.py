@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 
 from trl import GRPOConfig
 
+from . import reference
 from .async_fields import (
     LORA_SYNCS,
     OFF_POLICY_CORRECTIONS,
@@ -81,7 +82,7 @@ def for_grpo_trainer(args):
 
 @dataclass
 class AsyncGRPOConfig(GRPOConfig, AsyncFields):
-    """``trl.GRPOConfig`` with the async fields of ``AsyncFields`` (see each field's help)."""
+    __doc__ = reference.docstring()
 
     def __post_init__(self):
         super().__post_init__()

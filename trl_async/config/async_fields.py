@@ -125,8 +125,9 @@ class AsyncFields(ResolvedDefaults):
     rollout_batch_groups: int | None = field(
         default=None,
         metadata={
-            "help": "Rollout batch size: prompt groups a worker generates in one `generate` call. Default: one "
-            "generation batch split evenly over the workers."
+            "help": "Rollout batch size: prompt groups a worker generates at once (one `generate` call; with "
+            "rollout_continuous_batching, its rows decoding at once). Default: one generation batch split evenly "
+            "over the workers."
         },
     )
     weight_sync_steps: int = field(

@@ -102,9 +102,16 @@ def fetch_gguf(into: Path, cache: Path | None = None) -> Path:
 
 
 def _convert_into(target: Path) -> None:
+    import importlib.util
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError(
+            "converting SmolLM2-135M-Instruct from its GGUF file needs the `gguf` package: "
+            "pip install 'trl_async[demo]'"
+        )
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         gguf = fetch_gguf(Path(tmp), cache=target.parent)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
