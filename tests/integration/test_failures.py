@@ -1,4 +1,4 @@
-"""README "When things go wrong", with real worker processes: a Python exception inside a rollout worker surfaces on
+"""docs/troubleshooting.md, with real worker processes: a Python exception inside a rollout worker surfaces on
 the trainer with the worker's traceback (not retried), and a rollout batch that never arrives ends in a clear
 ``TimeoutError`` after ``rollout_timeout_s`` instead of a hang."""
 
