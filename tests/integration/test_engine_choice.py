@@ -102,7 +102,13 @@ def _info(engine):
 
 
 @pytest.mark.unit
-def test_the_weight_transport_is_the_one_the_servers_were_started_with():
+def test_the_weight_transport_is_the_one_the_servers_were_started_with(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec  # the trainer's end of NCCL is vLLM's engine: present here
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a)
+    )
     urls = ["http://a:1", "http://b:1"]
     assert served_transport("auto", [_info("nccl")] * 2, urls, "cuda:0") == "nccl"  # trl vllm-serve's
     assert served_transport("auto", [_info("trl_async_gloo")], urls[:1], "cpu") == "gloo"
@@ -174,3 +180,14 @@ def test_a_colocated_server_that_cannot_start_fails_at_once_with_its_log(tmp_pat
         wait_for([server], timeout_s=120)
     assert time.monotonic() - started < 60
     server.stop()
+
+
+@pytest.mark.unit
+def test_nccl_pushes_without_vllm_in_the_trainers_environment_name_the_extra(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    with pytest.raises(VLLMServerError, match=r"install vLLM in the trainer's environment too.*trl_async\[vllm\]"):
+        served_transport("auto", [_info("nccl")], ["http://a:1"], "cuda:0")
+    assert served_transport("auto", [_info("trl_async_gloo")], ["http://a:1"], "cpu") == "gloo"  # gloo: ours alone

@@ -7,6 +7,7 @@ checks (``served_transport``, ``lora_blocker``) read a server's ``/server_info``
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -135,6 +136,12 @@ def served_transport(requested: str, infos: Sequence[dict], urls: Sequence[str],
             f"vLLM server {urls[0]} receives weights over NCCL, which needs the trainer on a GPU, but it runs on "
             f"{trainer_device}: start CPU servers with `python -m trl_async.vllm_serve --transport gloo`, or train on "
             "a GPU"
+        )
+    if transport == "nccl" and importlib.util.find_spec("vllm") is None:
+        raise VLLMServerError(
+            f"vLLM server {urls[0]} receives weights over NCCL, and the trainer's end of that transport is vLLM's own "
+            "NCCL engine: install vLLM in the trainer's environment too, pip install 'trl_async[vllm]' (the version "
+            "the servers run)"
         )
     return transport
 
