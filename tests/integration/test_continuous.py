@@ -150,3 +150,32 @@ def test_a_sampler_continuous_batching_cannot_reproduce_is_refused_at_constructi
     args = async_args(tmp_path, rollout_continuous_batching=True, repetition_penalty=1.1)
     with pytest.raises(ValueError, match=r"rollout_continuous_batching=True is invalid.*repetition_penalty=1.1"):
         AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=letter_reward, args=args, train_dataset=text_dataset())
+
+
+def test_a_swap_after_rows_were_evicted_for_lack_of_cache_does_not_stall_them():
+    """A KV cache too small for the rows makes transformers evict one and hold new rows back until another finishes;
+    a swap resets every active row, and the rows must go on (not wait for a finish that can no longer come)."""
+    tok, model, config = _setup(max_new_tokens=120, eos=False)
+    state = {"v": 0}
+
+    def adopt():
+        state["v"] = 1
+
+    rows = ContinuousRows(model, config, 4, [], slots=4, max_context=32, current_version=lambda: state["v"])
+    try:
+        rows.submit([RolloutTask(0, 0, tuple(range(5, 45)), 0)])  # 4 rows of 40 + 120 tokens: cache for 32 each
+        deadline = time.monotonic() + 60
+        while True:  # until an eviction holds new rows back
+            processor = rows.manager.batch_processor
+            if processor is not None and processor.scheduler.block_new_requests:
+                break
+            assert time.monotonic() < deadline and rows.busy, "no eviction"
+            rows.finished(0.01)
+        rows.swap(adopt)
+        (group,) = _run(rows, timeout_s=120)
+    finally:
+        rows.close()
+    assert all(len(c) == 120 for c in group.completion_ids)
+    for versions in group.versions:
+        switch = versions.index(1) if 1 in versions else len(versions)
+        assert versions == (0,) * switch + (1,) * (len(versions) - switch)

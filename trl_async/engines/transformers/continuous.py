@@ -162,12 +162,11 @@ class ContinuousRows:
         while self.waiting and self.active < self.slots:
             request, ids, budget = self.waiting.popleft()
             self._marks[request] = [(0, self.current_version())]
-            self.manager.add_request(
-                ids,
-                request_id=request,
-                max_new_tokens=budget,
-                eos_token_id=list(self.eos_token_ids),
+            added = self.manager.add_request(
+                ids, request_id=request, max_new_tokens=budget, eos_token_id=list(self.eos_token_ids)
             )
+            if added is None:
+                raise RuntimeError(f"continuous batching refused row {request} (its generation loop is stopping)")
             self.active += 1
             self.occupancy.append((time.time(), self.active))
 
@@ -189,6 +188,9 @@ class ContinuousRows:
                 state._status = RequestStatus.FINISHED
                 scheduler.finish_request(rid)
                 scheduler.add_waiting_request(fresh)
+            # after an eviction for lack of cache the scheduler admits no new row until an active one finishes; none
+            # is active now, and no row holds cache: without this it would wait forever
+            scheduler.block_new_requests = False
             # a row finished before the pause waits in the output queue, all its tokens from the old weights; a row
             # in neither place was added and not yet scheduled: no token yet
             finished = {out.request_id for out in list(self.manager.output_router.output_queue.queue)}
@@ -244,4 +246,5 @@ class ContinuousRows:
         )
 
     def close(self) -> None:
-        self.manager.stop(block=True, timeout=10)
+        """Stop at once: rows still decoding are not finished (their output would go unused)."""
+        self.manager.stop(block=True, timeout=10, hard_stop=True)
