@@ -10,7 +10,7 @@ Completion lengths come from the model (each side samples its own), so the compa
     python benchmarks/continuous_batching.py --device cuda --slots 64 256 --prompts 512   # a GPU
 
 Writes results/continuous_batching{,_<device>}.{json,png} (the png: rows decoding over time in each mode) and its table
-in README.md.
+in RESULTS.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ a thread count or a core is here.
 
 The batch is the demo's training micro-batch shape (16 rows x 110 tokens), gradient checkpointing on as in TRL's
 defaults; each setting is timed twice after loading, and both times are printed. Measured with it
-(benchmarks/README.md): an AVX2-only AMD EPYC, 2 threads, float32 13.3 s, bf16 autocast 347 s; an AMD EPYC with
+(benchmarks/RESULTS.md): an AVX2-only AMD EPYC, 2 threads, float32 13.3 s, bf16 autocast 347 s; an AMD EPYC with
 AVX512-BF16, 1 thread, bf16 6.3 s pinned to core 0, 6.1 s on core 1, 5.9 s unpinned.
 
     python benchmarks/forward_backward.py --threads 2 --dtypes float32 bf16

@@ -25,7 +25,7 @@ median step minus its own generation and weight sync); ``(G+T)/max(G,T)``.
     python benchmarks/gpu_bench.py --smoke --configs async_s1 async_colocate --name gpu_bench_smoke \\
         --server_python .venv-vllm/bin/python --server_args='--enforce-eager'
 
-Writes benchmarks/results/<name>.{json,png} and, for a GPU run, the table in benchmarks/README.md.
+Writes benchmarks/results/<name>.{json,png} and, for a GPU run, the table in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ cosine does not see a gradient scaled by the kept mass.
     python benchmarks/gradient_fidelity.py --top_p 0.9 --top_k 20
     python benchmarks/gradient_fidelity.py --quick
 
-Writes benchmarks/results/gradient_fidelity[_truncated].{json,png} and the table in benchmarks/README.md.
+Writes benchmarks/results/gradient_fidelity[_truncated].{json,png} and the table in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ logged weight-sync seconds against the step time.
     python benchmarks/lora_sync.py            # SmolLM2-135M and a 0.5B synthetic Qwen2, then the real-model runs
     python benchmarks/lora_sync.py --quick    # SmolLM2-135M only, no real-model runs
 
-Writes benchmarks/results/lora_sync.{json,png} and the table in benchmarks/README.md.
+Writes benchmarks/results/lora_sync.{json,png} and the table in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

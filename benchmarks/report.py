@@ -1,4 +1,4 @@
-"""Shared output for benchmarks: a JSON file, a markdown table spliced into benchmarks/README.md, a PNG path."""
+"""Shared output for benchmarks: a JSON file, a markdown table spliced into benchmarks/RESULTS.md, a PNG path."""
 
 from __future__ import annotations
 
@@ -56,9 +56,10 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
 
 
 def update_readme(section: str, body: str) -> None:
-    """Replace the text between ``<!-- section:begin -->`` and ``<!-- section:end -->`` (appended if absent)."""
-    readme = HERE / "README.md"
-    text = readme.read_text() if readme.exists() else "# Benchmarks\n"
+    """Replace the text between ``<!-- section:begin -->`` and ``<!-- section:end -->`` in ``RESULTS.md`` (appended
+    if absent)."""
+    readme = HERE / "RESULTS.md"
+    text = readme.read_text() if readme.exists() else "# Benchmark results\n"
     begin, end = f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
     block = f"{begin}\n{measured_on(section)}\n\n{body.strip()}\n{end}"
     if begin in text:

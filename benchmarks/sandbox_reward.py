@@ -13,7 +13,7 @@ no code, so each completion stands for the same program; its reward is that prog
 share of the completion, so that groups still differ.
 
     python benchmarks/sandbox_reward.py            # ~12 min on 2 cores
-Writes results/sandbox_reward.{json,png} and its table in README.md.
+Writes results/sandbox_reward.{json,png} and its table in RESULTS.md.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ workers should stay flat, the queue within its bound, open files and threads con
 
 Reports each series' slope (least squares over the steps after a 100-step warm-up): RSS in MB per 100 steps, open
 file descriptors and threads per 100 steps. Writes benchmarks/results/soak.{json,png} and its section in
-benchmarks/README.md. Reads /proc (Linux).
+benchmarks/RESULTS.md. Reads /proc (Linux).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ higher than the demo's so that staleness matters within a short run.
     python benchmarks/staleness_sweep.py              # full sweep (~15 min on 2 cores)
     python benchmarks/staleness_sweep.py --quick      # 2 staleness values, 1 seed
 
-Writes benchmarks/results/staleness_sweep.{json,png} and the table in benchmarks/README.md.
+Writes benchmarks/results/staleness_sweep.{json,png} and the table in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ async); bound = the larger of the two, efficiency = bound / measured time. Also 
 separate devices per phase, (G + T) / max(G, T), from the same 1-thread run.
 
 Writes benchmarks/results/throughput.{json,png} (+ throughput_reward.png, throughput_timeline.png) and the tables in
-benchmarks/README.md. The pipeline simulator (simulate.py) is validated against the async runs here.
+benchmarks/RESULTS.md. The pipeline simulator (simulate.py) is validated against the async runs here.
 """
 
 from __future__ import annotations

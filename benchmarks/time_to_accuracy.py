@@ -12,7 +12,7 @@ paused (SIGSTOP) while the trainer evaluates, so they cannot use those seconds t
     python benchmarks/time_to_accuracy.py                              # every configuration, 3 seeds
     python benchmarks/time_to_accuracy.py --configs sync async --seeds 0 --steps 6 --eval_every 0   # step times only
 
-Writes benchmarks/results/<name>.{json,png} and the table in benchmarks/README.md.
+Writes benchmarks/results/<name>.{json,png} and the table in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
 CONFIGS: dict[str, dict] = {
     # TRL's GRPOTrainer with its defaults (gradient checkpointing), in the precision this CPU computes fast (TASK's
     # bf16: autocast where bf16 is native, float32 where it is emulated): its best configuration on 2 cores
-    # (measured, benchmarks/README.md: 1 thread and 2-process DDP are slower).
+    # (measured, benchmarks/RESULTS.md: 1 thread and 2-process DDP are slower).
     # OpenMP threads: sync alone on the cores is fastest with spinning threads (OMP_WAIT_POLICY unset, i.e. ACTIVE:
     # 1.13x PASSIVE over 3 seeds on the AMX Xeon, table omp_settle); async with PASSIVE (its workers need the idle
     # moments)

@@ -10,7 +10,7 @@ and repeated, on one batch of the demo's shape (random token ids):
   processed_*        proximal_logps with the named sampler (its forward included)
 
 and works out what the alternative (the engine returning each token's kept set, as a vocabulary bitmask) would move
-per batch. Writes results/truncation_cost.{json,png} and its table in README.md.
+per batch. Writes results/truncation_cost.{json,png} and its table in RESULTS.md.
 
     python benchmarks/truncation_cost.py            # ~3 min on 2 cores
 """

@@ -10,7 +10,7 @@ peft's own model with that adapter, and of the base model.
 
     python benchmarks/vllm_lora_probe.py      # ~2 min on 2 cores
 
-Writes benchmarks/results/vllm_lora_probe.json and its lines in benchmarks/README.md.
+Writes benchmarks/results/vllm_lora_probe.json and its lines in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

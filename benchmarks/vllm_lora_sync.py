@@ -11,7 +11,7 @@ time (first step left out: start-up, and for adapters the one-off base push).
 
     python benchmarks/vllm_lora_sync.py             # ~5 min on 2 cores
 
-Writes benchmarks/results/vllm_lora_sync.{json,png} and its table in benchmarks/README.md.
+Writes benchmarks/results/vllm_lora_sync.{json,png} and its table in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

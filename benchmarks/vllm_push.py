@@ -4,7 +4,7 @@ For each model size, one real vLLM CPU server (started with ``python -m trl_asyn
 full pushes of the same weights, as AsyncGRPOTrainer does at every weight sync: pause, start, gloo broadcast of the
 buckets + the server's ``load_weights``, finish (label), cache reset, resume. The reference is the transport alone:
 the same buckets broadcast over gloo to a plain receiver process, in the same run. Ratio = transport / full push
-(1.0 = the push costs no more than moving the bytes). Writes results/vllm_push.json, a table in README.md and a PNG.
+(1.0 = the push costs no more than moving the bytes). Writes results/vllm_push.json, a table in RESULTS.md and a PNG.
 
     python benchmarks/vllm_push.py            # ~4 min on 2 cores (three server starts)
 """

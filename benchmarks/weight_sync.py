@@ -6,7 +6,7 @@ same bytes between the same two processes (gloo, loopback), measured in the same
     python benchmarks/weight_sync.py --quick    # 1M and 10M only
 
 Also reports sync time as a fraction of a training step at the CPU demo's settings (from a short demo run).
-Writes benchmarks/results/weight_sync.{json,png} and the table in benchmarks/README.md.
+Writes benchmarks/results/weight_sync.{json,png} and the table in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

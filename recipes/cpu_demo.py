@@ -53,7 +53,7 @@ def main(demo: DemoArguments, args: AsyncGRPOConfig) -> dict:
     state = PartialState()
     # the trainer takes every core it may run on (shared among the processes of a multi-process launch), the workers
     # too but at the lowest priority (rollout_nice), filling the trainer's idle moments: the measured best split on
-    # 2 cores (benchmarks/README.md, "How the cores are split")
+    # 2 cores (benchmarks/ARCHIVE.md, "How the cores are split")
     torch.set_num_threads(max(1, available_cores() // state.num_processes))
     precision = described_precision(args.bf16, args.fp16, "cpu")
     if state.is_main_process:

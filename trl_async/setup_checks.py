@@ -161,7 +161,7 @@ def check_after_loading(trainer) -> None:
         logger.warning(
             "The trainer and its rollout workers share the CPU cores, and OMP_WAIT_POLICY is not PASSIVE: the "
             "trainer's idle OpenMP threads spin and take cycles from the workers (fewer steps per minute: "
-            "benchmarks/README.md, 'How the cores are split'). Set OMP_WAIT_POLICY=PASSIVE in the "
+            "benchmarks/ARCHIVE.md, 'How the cores are split'). Set OMP_WAIT_POLICY=PASSIVE in the "
             "environment before torch is imported (the recipes do); workers get it by default."
         )
     if trainer.args.use_transformers_continuous_batching:
