@@ -113,7 +113,7 @@ REGIMES = [
         steps=(8, 2),
     ),  # fmt: skip
 ]
-DEFAULT_REGIMES = ["balanced", "slow_reward", "long_tail", "gen_bound"]  # agentic: `--regimes agentic --name agentic`
+DEFAULT_REGIMES = ["balanced", "slow_reward", "long_tail", "gen_bound"]  # agentic: `--regimes agentic` (its own table)
 
 
 def make_model(regime: Regime, path: str) -> str:

@@ -13,8 +13,8 @@ can come from the YAML file given with ``--config`` and be overridden on the com
 
     # separate vLLM server GPUs: one server per GPU (6 and 7) behind the same queue, ZeRO-3 training on GPUs 0-5,
     # weights pushed over NCCL by vLLM's weight-transfer engine (the servers must serve the model being trained)
-    CUDA_VISIBLE_DEVICES=6 python -m trl_async.vllm_serve --model Qwen/Qwen2.5-0.5B-Instruct --port 8000 &
-    CUDA_VISIBLE_DEVICES=7 python -m trl_async.vllm_serve --model Qwen/Qwen2.5-0.5B-Instruct --port 8001 &
+    CUDA_VISIBLE_DEVICES=6 trl-async-vllm-serve --model Qwen/Qwen2.5-0.5B-Instruct --port 8000 &
+    CUDA_VISIBLE_DEVICES=7 trl-async-vllm-serve --model Qwen/Qwen2.5-0.5B-Instruct --port 8001 &
     CUDA_VISIBLE_DEVICES=0,1,2,3,4,5 accelerate launch --config_file recipes/accelerate/zero3.yaml --num_processes 6 \\
         recipes/gsm8k_async.py --config recipes/configs/gsm8k_async.yaml --rollout_backend vllm \\
         --rollout_vllm_urls http://localhost:8000 http://localhost:8001
