@@ -217,3 +217,19 @@ def test_every_async_field_is_in_one_group_and_the_configuration_page_is_current
     page = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
     assert page.read_text() == reference.markdown(), "regenerate: python -m trl_async.config.reference > " + str(page)
     assert "    > The three dials" in AsyncGRPOConfig.__doc__ and "rollout_lora_sync (`" in AsyncGRPOConfig.__doc__
+
+
+def test_a_deepspeed_run_without_deepspeed_names_the_extra(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else find_spec(name, *a)
+    )
+    with pytest.raises(ImportError, match=r"pip install 'trl_async\[deepspeed\]'"):
+        AsyncGRPOConfig(**BASE, deepspeed={"zero_optimization": {"stage": 2}})
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # accelerate launch with a DeepSpeed config
+    with pytest.raises(ImportError, match=r"trl_async\[deepspeed\]"):
+        AsyncGRPOConfig(**BASE)
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+    assert AsyncGRPOConfig(**BASE).max_staleness == 1  # not a DeepSpeed run: nothing needed

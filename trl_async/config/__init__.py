@@ -8,6 +8,8 @@ takes two steps: ``defaults.resolve_defaults`` fills what depends on GRPO's own 
 from __future__ import annotations
 
 import copy
+import importlib.util
+import os
 from dataclasses import dataclass, fields
 
 from trl import GRPOConfig
@@ -41,6 +43,14 @@ __all__ = [
     "settle",
     "trl_engine_fields",
 ]
+
+
+def require_deepspeed(deepspeed_config) -> None:
+    """A DeepSpeed run (``deepspeed=`` here, or ``accelerate launch`` with a DeepSpeed config) without the package
+    fails deep inside transformers or accelerate; name the extra to install first."""
+    wanted = bool(deepspeed_config) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    if wanted and importlib.util.find_spec("deepspeed") is None:
+        raise ImportError("this run uses DeepSpeed, which is not installed: pip install 'trl_async[deepspeed]'")
 
 
 def settle(settings: AsyncFields, args) -> AsyncFields:
@@ -85,6 +95,7 @@ class AsyncGRPOConfig(GRPOConfig, AsyncFields):
     __doc__ = reference.docstring()
 
     def __post_init__(self):
+        require_deepspeed(self.deepspeed)
         super().__post_init__()
         given = self.rollout_backend
         settle(self, self)
