@@ -26,7 +26,8 @@ from trl_async.engines.vllm.client import VLLMServer
 
 class Restartable:
     """A server that a hook kills (SIGKILL to its process group) and that is then restarted on its port, as a
-    supervisor would."""
+    supervisor would. ``hold()`` before a kill keeps it down until ``release()``: a test that needs the trainer at a
+    chosen step when the server comes back does not race the restart."""
 
     def __init__(self, server, model_dir: str, log_dir) -> None:
         self.server, self.model_dir, self.log_dir = server, model_dir, log_dir
@@ -35,6 +36,14 @@ class Restartable:
         self.kills: list[str] = []
         self._thread: threading.Thread | None = None
         self._spawned: list = []
+        self._released = threading.Event()
+        self._released.set()
+
+    def hold(self) -> None:
+        self._released.clear()
+
+    def release(self) -> None:
+        self._released.set()
 
     def kill(self, moment: str) -> None:
         self.kills.append(moment)  # first: whoever plans the next kill sees this one at once
@@ -42,12 +51,14 @@ class Restartable:
         log = self.log_dir / f"restarted_{self.port}_{len(self.kills)}.log"
 
         def restart():
+            self._released.wait()
             self.server = start_server(self.model_dir, log, port=self.port, spawned=self._spawned)
 
         self._thread = threading.Thread(target=restart, daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        self._released.set()
         if self._thread is not None:
             self._thread.join(300)
         for server in [self.server, *self._spawned]:
@@ -192,8 +203,10 @@ def test_two_servers_one_killed_mid_push_then_the_other_during_the_re_attach_pro
     """Two servers. One dies after the first bucket of a push: both leave the broken push (the survivor is paused
     with mixed weights), and each is re-attached with the whole version, the survivor at once. When the killed one is
     back, its peer dies during the greedy probe that compares them: the returning one is attached at the next push,
-    and the peer once it is back in turn."""
+    and the peer once it is back in turn. The killed server stays down until the probe is armed (a quick restart
+    would otherwise be re-attached, unprobed by this hook, before the moment is set)."""
     first, second = (Restartable(s, vllm_model_dir, tmp_path) for s in vllm_pair_to_heal)
+    second.hold()
     reattached_at = record_reattaches(monkeypatch)
     armed = {"push": False, "probe": False}
     kill_after_the_first_bucket(monkeypatch, armed, second)
@@ -213,8 +226,10 @@ def test_two_servers_one_killed_mid_push_then_the_other_during_the_re_attach_pro
             if step == 2:
                 armed["push"] = True
             if step == 4:  # the other server works meanwhile (re-attached at once: it never went down)
-                wait_for(lambda: lane_state(trainer, 1) == "back", "the server killed mid-push was not seen back")
+                assert second.kills == ["mid-push"], second.kills
                 armed["probe"] = True  # its re-attach, at a publish from here on, probes it against the other
+                second.release()
+                wait_for(lambda: lane_state(trainer, 1) == "back", "the server killed mid-push was not seen back")
             if step == 7:  # the killed peer is back before the end: re-attached, probed against the other
                 wait_for(lambda: lane_state(trainer, 0) in ("back", "attached"), "the peer was not seen back")
 
