@@ -1,6 +1,7 @@
-"""Continuous batching in the worker (in-process, the tiny model): rows that join a running batch, groups that leave
-it as they finish, and weights swapped between two decode steps, each token tagged with the version that produced it
-and carrying its behaviour log-prob."""
+"""Continuous batching in the worker (in-process, the tiny model), both engines (the slot loop a CPU worker runs,
+transformers' paged engine a GPU worker runs): rows that join a running batch, groups that leave it as they finish,
+and weights swapped between two decode steps, each token tagged with the version that produced it and carrying its
+behaviour log-prob."""
 
 import time
 
@@ -11,6 +12,7 @@ from transformers import GenerationConfig
 from trl_async import AsyncGRPOTrainer
 from trl_async.demo.tiny import build_char_tokenizer, build_tiny_model
 from trl_async.engines.transformers.continuous import ContinuousRows
+from trl_async.engines.transformers.slots import SlotRows
 from trl_async.records import RolloutTask
 
 from ..conftest import async_args, letter_reward, text_dataset
@@ -32,6 +34,18 @@ def _setup(max_new_tokens=10, eos=True, seed=0):
     return tok, model, config
 
 
+ENGINES = pytest.mark.parametrize("engine", [SlotRows, ContinuousRows], ids=["slots", "paged"])
+
+
+def _some_steps(rows) -> None:
+    """Let the rows decode a little (none may finish): the slot loop steps when asked, the paged engine on a thread."""
+    if isinstance(rows, SlotRows):
+        for _ in range(15):
+            assert not rows.finished()
+    else:
+        time.sleep(0.05)
+
+
 def _run(rows, timeout_s=60.0):
     done, deadline = [], time.monotonic() + timeout_s
     while rows.busy:
@@ -40,17 +54,20 @@ def _run(rows, timeout_s=60.0):
     return done
 
 
-def test_rows_that_join_mid_batch_carry_the_log_probs_of_the_distribution_they_sampled():
+@ENGINES
+def test_rows_that_join_mid_batch_carry_the_log_probs_of_the_distribution_they_sampled(engine):
     tok, model, config = _setup()
     version = {"v": 3}
     # 3 groups of 4 rows through 3 slots: most rows start when another row's slot frees up
-    rows = ContinuousRows(model, config, 4, [tok.eos_token_id], slots=3, max_context=64, current_version=lambda: 3)
+    rows = engine(model, config, 4, [tok.eos_token_id], slots=3, max_context=64, current_version=lambda: 3,
+                  pad_token_id=tok.pad_token_id)  # fmt: skip
     try:
         prompts = [tuple(tok(text)["input_ids"]) for text in ("ab 1+2=", "zz", "q 7")]
         torch.manual_seed(1)
         rows.submit([RolloutTask(i, i, p, 0) for i, p in enumerate(prompts)])
+        groups = rows.finished() if engine is SlotRows else []  # the slot loop takes rows when it steps
         assert rows.active == 3 and len(rows.waiting) == 9  # the slots bound the rows decoding at once
-        groups = _run(rows)
+        groups += _run(rows)
     finally:
         rows.close()
     assert sorted(g.group_id for g in groups) == [0, 1, 2]
@@ -67,9 +84,10 @@ def test_rows_that_join_mid_batch_carry_the_log_probs_of_the_distribution_they_s
     assert checked >= 12
 
 
-def test_a_short_group_leaves_before_a_long_one_that_started_first():
+@ENGINES
+def test_a_short_group_leaves_before_a_long_one_that_started_first(engine):
     tok, model, config = _setup(max_new_tokens=40, eos=False)
-    rows = ContinuousRows(model, config, 2, [], slots=4, max_context=64, current_version=lambda: 0)
+    rows = engine(model, config, 2, [], slots=4, max_context=64, current_version=lambda: 0)
     try:
         long = RolloutTask(0, 0, (5, 6, 7), 0)
         short = RolloutTask(1, 1, (), 0, contexts=((8, 9), (10, 11)), rows=(0, 1), max_new_tokens=3)
@@ -85,7 +103,8 @@ def test_a_short_group_leaves_before_a_long_one_that_started_first():
         rows.close()
 
 
-def test_weights_swapped_between_decode_steps_give_each_token_its_versions_distribution():
+@ENGINES
+def test_weights_swapped_between_decode_steps_give_each_token_its_versions_distribution(engine):
     """The swap resets the rows in flight (their KV prefilled again with the new weights): every token's mu is a
     teacher-forced forward of its own version, the tokens before the swap of the old one, after it of the new one."""
     tok, model, config = _setup(max_new_tokens=120, eos=False)
@@ -96,10 +115,10 @@ def test_weights_swapped_between_decode_steps_give_each_token_its_versions_distr
         model.load_state_dict(weights[1])
         state["v"] = 1
 
-    rows = ContinuousRows(model, config, 2, [], slots=2, max_context=256, current_version=lambda: state["v"])
+    rows = engine(model, config, 2, [], slots=2, max_context=256, current_version=lambda: state["v"])
     try:
         rows.submit([RolloutTask(0, 0, (5, 6, 7), 0), RolloutTask(1, 1, (8, 9), 0)])  # group 1 waits for a slot
-        time.sleep(0.05)  # some of group 0's 120 decode steps
+        _some_steps(rows)  # some of group 0's 120 decode steps
         rows.swap(adopt)
         groups = {g.group_id: g for g in _run(rows)}
     finally:
@@ -179,3 +198,38 @@ def test_a_swap_after_rows_were_evicted_for_lack_of_cache_does_not_stall_them():
     for versions in group.versions:
         switch = versions.index(1) if 1 in versions else len(versions)
         assert versions == (0,) * switch + (1,) * (len(versions) - switch)
+
+
+WIDE = tuple(5 + i % 40 for i in range(40))
+
+
+def test_slot_rows_of_every_width_join_and_leave_and_the_batch_stays_as_wide_as_its_oldest_row():
+    """Rows join a running batch with contexts wider and narrower than it, and leave it at different steps: every
+    token's mu is still a teacher-forced forward of its row, and once a wide row leaves, the columns no other row
+    uses are cut off."""
+    tok, model, config = _setup(max_new_tokens=30, eos=False)
+    rows = SlotRows(model, config, 1, [], slots=3, max_context=0, current_version=lambda: 0, pad_token_id=0)
+    long_ = RolloutTask(0, 0, (5, 6, 7), 0)  # 30 tokens
+    short = RolloutTask(1, 1, (), 0, contexts=((8, 9),), rows=(0,), max_new_tokens=4)
+    wide = RolloutTask(2, 2, (), 0, contexts=(WIDE,), rows=(0,), max_new_tokens=6)  # 40 > width
+    narrow = RolloutTask(3, 3, (), 0, contexts=((11,),), rows=(0,), max_new_tokens=12)
+    groups, widths = [], []  # per step: (the batch's width, its longest row's cached tokens)
+    rows.submit([long_, short])
+    for task in (wide, narrow, None):
+        while rows.busy and len(groups) < (task.group_id - 1 if task else 4):
+            groups += rows.finished()
+            widths.append((rows.mask.size(1), int(rows.mask.sum(1).max()) if rows.rows else 0))
+        if task:
+            rows.submit([task])
+    assert sorted(g.group_id for g in groups) == [0, 1, 2, 3]
+    for group in groups:
+        (completion,), (logps,) = group.completion_ids, group.logprobs
+        context = group.prompt_ids or {1: (8, 9), 2: WIDE, 3: (11,)}[group.group_id]
+        torch.testing.assert_close(
+            torch.tensor(logps), _teacher_forced_logps(model, context, completion), atol=1e-5, rtol=0
+        )
+    assert [len(g.completion_ids[0]) for g in sorted(groups, key=lambda g: g.group_id)] == [30, 4, 6, 12]
+    # the wide row widened the batch; at every step the batch is exactly as wide as its longest row
+    assert max(w for w, _ in widths) >= 40
+    assert all(width == longest for width, longest in widths), widths
+    assert not rows.busy

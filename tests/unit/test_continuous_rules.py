@@ -1,7 +1,15 @@
 import pytest
+import torch
 from transformers import GenerationConfig
 
-from trl_async.engines.transformers.continuous import continuous_blocker, continuous_slots, cut_at_eos, versions_of
+from trl_async.engines.transformers.continuous import (
+    ContinuousRows,
+    continuous_blocker,
+    continuous_slots,
+    cut_at_eos,
+    versions_of,
+)
+from trl_async.engines.transformers.slots import SlotRows, continuous_engine, left_pad, positions, slot_loop_blocker
 
 
 def test_samplers_that_read_a_rows_history_or_search_beams_keep_static_batches():
@@ -31,3 +39,28 @@ def test_a_row_s_tokens_take_the_version_that_began_at_or_before_them():
 )
 def test_a_completion_ends_at_its_first_eos_within_its_budget(tokens, budget, kept):
     assert cut_at_eos(tokens, {2}, budget) == kept
+
+
+def test_left_pad_puts_zeros_in_front_and_leaves_a_wide_enough_tensor_alone():
+    t = torch.tensor([[1, 2], [3, 4]])
+    assert left_pad(t, 4, 1).tolist() == [[0, 0, 1, 2], [0, 0, 3, 4]]
+    assert left_pad(t, 2, 1) is t and left_pad(t, 1, 1) is t
+    assert left_pad(t, 3, 0).tolist() == [[0, 0], [1, 2], [3, 4]]
+
+
+def test_positions_count_each_rows_own_tokens_from_zero():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]])
+    assert positions(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4], [0, 0, 0, 0, 0]]
+
+
+def test_the_slot_loop_takes_full_attention_models_on_a_cpu_and_leaves_the_rest_to_the_paged_engine():
+    from transformers import LlamaConfig, MistralConfig
+
+    full = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
+    sliding = MistralConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            sliding_window=8)  # fmt: skip
+    assert slot_loop_blocker(full) is None
+    assert "DynamicSlidingWindowLayer" in slot_loop_blocker(sliding)
+    assert continuous_engine("cpu", full) is SlotRows
+    assert continuous_engine("cpu", sliding) is ContinuousRows
+    assert continuous_engine("cuda:0", full) is ContinuousRows

@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import bisect
 import math
-import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ...records import RolloutGroup, RolloutTask
+from .row_groups import RowGroups, cut_at_eos
 
 # GenerationConfig fields whose processors read each row's history (or are not sampling at all): with any of them
 # set, continuous batching would sample from another distribution than the trainer rebuilds
@@ -87,21 +86,6 @@ def generated_so_far(state) -> int:
     return moved + len(state.generated_tokens)
 
 
-def cut_at_eos(tokens: Sequence[int], eos: set[int], budget: int | None) -> int:
-    """How many of ``tokens`` a completion keeps: through its first EOS, at most ``budget``."""
-    length = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
-    return length if budget is None else min(length, budget)
-
-
-@dataclass
-class _Pending:
-    task: RolloutTask
-    rows: list  # per row: (token ids, log-probs, versions), filled as rows finish
-    started_at: float
-    left: int = 0
-    budget: int | None = None
-
-
 @dataclass
 class ContinuousRows:
     """Rows waiting for a slot and groups waiting for their rows, around one continuous-batching manager."""
@@ -114,16 +98,13 @@ class ContinuousRows:
     max_context: int  # the longest prompt + completion a row may reach (sizes the KV cache)
     current_version: Callable[[], int]
     lane_id: int = 0
-    waiting: deque = field(default_factory=deque)  # (request id, token ids, budget) not yet handed to the manager
-    pending: dict = field(default_factory=dict)  # task key -> _Pending
-    active: int = 0
-    occupancy: deque = field(default_factory=lambda: deque(maxlen=100_000))  # (time.time(), rows decoding) per change
+    pad_token_id: int = 0  # unused: the paged cache needs no padding (kept for the common interface)
 
     def __post_init__(self) -> None:
         from transformers import ContinuousBatchingConfig
 
         config = self.generation_config
-        self._max_new = config.max_new_tokens
+        self.book = RowGroups(self.num_generations, config.max_new_tokens, self.lane_id)
         blocks = self.slots * (math.ceil(self.max_context / PAGE_SIZE) + 1)
         settings = ContinuousBatchingConfig(
             num_blocks=blocks,
@@ -139,36 +120,39 @@ class ContinuousRows:
             generation_config=config, continuous_batching_config=settings
         )
         self.manager.start()
-        self._rows_of: dict[str, tuple[tuple, int]] = {}  # request id -> (task key, row)
+        self._budgets: dict[str, int] = {}  # request id -> its token budget
         self._marks: dict[str, list[tuple[int, int]]] = {}  # request id -> (first token index, version), in order
 
+    # the interface the worker's loop uses (``serve_continuously``), as ``SlotRows``
     @property
     def busy(self) -> bool:
-        return bool(self.pending)
+        return self.book.busy
+
+    @property
+    def active(self) -> int:
+        return self.book.active
+
+    @property
+    def waiting(self):
+        return self.book.waiting
+
+    @property
+    def occupancy(self):
+        return self.book.occupancy
 
     def submit(self, tasks: Sequence[RolloutTask]) -> None:
-        now = time.time()
-        for task in tasks:
-            contexts = [list(c) for c in task.contexts] or [list(task.prompt_ids)] * self.num_generations
-            budget = task.max_new_tokens or self._max_new
-            self.pending[task.key] = _Pending(task, [None] * len(contexts), now, len(contexts), budget)
-            for row, ids in enumerate(contexts):
-                request = f"{task.group_id}/{'.'.join(map(str, task.rows))}/{row}"
-                self._rows_of[request] = (task.key, row)
-                self.waiting.append((request, ids, budget))
+        self.book.add(tasks)
         self._fill()
 
     def _fill(self) -> None:
-        while self.waiting and self.active < self.slots:
-            request, ids, budget = self.waiting.popleft()
-            self._marks[request] = [(0, self.current_version())]
+        for row in self.book.take(self.slots - self.book.active):
+            self._marks[row.request] = [(0, self.current_version())]
+            self._budgets[row.request] = row.budget
             added = self.manager.add_request(
-                ids, request_id=request, max_new_tokens=budget, eos_token_id=list(self.eos_token_ids)
+                list(row.ids), request_id=row.request, max_new_tokens=row.budget, eos_token_id=list(self.eos_token_ids)
             )
             if added is None:
-                raise RuntimeError(f"continuous batching refused row {request} (its generation loop is stopping)")
-            self.active += 1
-            self.occupancy.append((time.time(), self.active))
+                raise RuntimeError(f"continuous batching refused row {row.request} (its generation loop is stopping)")
 
     def swap(self, adopt: Callable[[], None]) -> None:
         """Adopt new weights between two decode steps. Every row in flight is reset (its KV cache dropped, its tokens
@@ -214,36 +198,14 @@ class ContinuousRows:
         return done
 
     def _row_done(self, result) -> RolloutGroup | None:
-        key, row = self._rows_of.pop(result.request_id)
-        self.active -= 1
-        self.occupancy.append((time.time(), self.active))
-        pending = self.pending[key]
         tokens = list(result.generated_tokens)
-        length = cut_at_eos(tokens, self._eos, pending.budget)
+        length = cut_at_eos(tokens, self._eos, self._budgets.pop(result.request_id))
         if len(result.logprobs or []) < length:
             raise RuntimeError(
                 f"continuous batching returned {len(tokens)} tokens with {len(result.logprobs or [])} log-probs"
             )
         versions = versions_of(self._marks.pop(result.request_id), length)
-        pending.rows[row] = (tuple(tokens[:length]), tuple(float(x) for x in result.logprobs[:length]), versions)
-        pending.left -= 1
-        if pending.left:
-            return None
-        del self.pending[key]
-        task = pending.task
-        ids, logps, versions = zip(*pending.rows, strict=True)
-        return RolloutGroup(
-            group_id=task.group_id,
-            prompt_index=task.prompt_index,
-            prompt_ids=task.prompt_ids,
-            completion_ids=ids,
-            logprobs=logps,
-            versions=versions,
-            lane_id=self.lane_id,
-            generate_s=time.time() - pending.started_at,
-            generate_started_at=pending.started_at,
-            rows=task.rows,
-        )
+        return self.book.row_done(result.request_id, tokens[:length], result.logprobs[:length], versions)
 
     def close(self) -> None:
         """Stop at once: rows still decoding are not finished (their output would go unused)."""

@@ -351,10 +351,11 @@ def serve_continuously(model, spec: WorkerSpec, weights, tasks, results, adopt, 
     (``"batch"``). A task admitted at a version the worker does not hold yet waits for it, so no group starts on
     weights older than its admission (as a static batch adopts before its ``generate`` call). Returns on a ``None``
     task."""
-    from .continuous import ContinuousRows
+    from .slots import continuous_engine
 
-    rows = ContinuousRows(model, spec.generation_config, spec.num_generations, spec.eos_token_ids, spec.slots,
-                          spec.max_context, version, lane_id=spec.worker_id)  # fmt: skip
+    engine = continuous_engine(spec.device, spec.model_config)
+    rows = engine(model, spec.generation_config, spec.num_generations, spec.eos_token_ids, spec.slots,
+                  spec.max_context, version, lane_id=spec.worker_id, pad_token_id=spec.pad_token_id)  # fmt: skip
     held: list[RolloutTask] = []  # received, admitted at a version newer than the one held
     try:
         while True:
