@@ -1,8 +1,9 @@
 """Continuous batching against static batches in one rollout worker's generation, the same prompts, in one run.
 
 Static: chunks of ``slots`` rows, one ``generate`` call each (what the transformers workers do without continuous
-batching): every row of a chunk waits for the chunk's longest row. Continuous: ``ContinuousRows`` over transformers'
-continuous batching with ``slots`` rows decoding at once, a finished row's slot taken by the next row at once.
+batching): every row of a chunk waits for the chunk's longest row. Two continuous engines with ``slots`` rows decoding
+at once, a finished row's slot taken by the next row at once: ``SlotRows`` (the slot loop on one plain KV cache, what a
+CPU worker runs) and ``ContinuousRows`` (transformers' paged continuous batching, what a GPU worker runs).
 Completion lengths come from the model (each side samples its own), so the comparison is completion tokens per second
 (tokens kept, through each row's first EOS), plus the share of slot time spent on kept tokens.
 
@@ -32,6 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  
 from trl_async.demo.arithmetic import make_split  # noqa: E402
 from trl_async.demo.pretrained import smollm2_135m_instruct  # noqa: E402
 from trl_async.engines.transformers.continuous import ContinuousRows  # noqa: E402
+from trl_async.engines.transformers.slots import SlotRows  # noqa: E402
 from trl_async.engines.transformers.worker import generate_groups  # noqa: E402
 from trl_async.records import RolloutTask  # noqa: E402
 
@@ -60,9 +62,12 @@ def run_static(model, config, eos, pad, rows, slots) -> dict:
     return {"wall_s": wall, "tokens": kept, "tokens_per_s": kept / wall, "timeline": occupancy(spans, start)}
 
 
-def run_continuous(model, config, eos, rows, slots) -> dict:
-    engine = ContinuousRows(model, config, 1, eos, slots=slots, max_context=max(map(len, rows)) + config.max_new_tokens,
-                            current_version=lambda: 0)  # fmt: skip
+ENGINES = {"slots": SlotRows, "paged": ContinuousRows}
+
+
+def run_continuous(engine_class, model, config, eos, pad, rows, slots) -> dict:
+    engine = engine_class(model, config, 1, eos, slots=slots, max_context=max(map(len, rows)) + config.max_new_tokens,
+                          current_version=lambda: 0, pad_token_id=pad)  # fmt: skip
     try:
         start = time.time()
         engine.submit([RolloutTask(j, j, p, 0) for j, p in enumerate(rows)])
@@ -109,17 +114,17 @@ def main() -> None:
     eos, rows = [tokenizer.eos_token_id], prompts(tokenizer, cli.prompts)
     results = []
     for slots in cli.slots:
-        for mode in ("static", "continuous"):  # static first: continuous batching changes the model's attention
+        for mode in ("static", "slots", "paged"):  # paged last: it switches the model to paged attention
             torch.manual_seed(0)
             if mode == "static":
                 r = run_static(model, config, eos, tokenizer.pad_token_id, rows, slots)
             else:
-                r = run_continuous(model, config, eos, rows, slots)
+                r = run_continuous(ENGINES[mode], model, config, eos, tokenizer.pad_token_id, rows, slots)
             r.update(mode=mode, slots=slots, busy_share=busy_share(r["timeline"], slots, r["wall_s"]))
             print(f"{mode:10s} slots {slots:3d}: {r['tokens_per_s']:7.1f} tok/s, {r['wall_s']:6.1f} s, "
                   f"slots busy {r['busy_share']:.2f}", flush=True)  # fmt: skip
             results.append(r)
-        # continuous batching switched the model to paged attention: reload for the next static run
+        # the paged engine switched the model to paged attention: reload for the next static run
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(cli.device).eval()
         model.generation_config.use_cache = True
     name = "continuous_batching" + ("" if cli.device == "cpu" else f"_{cli.device.split(':')[0]}")
@@ -130,15 +135,17 @@ def main() -> None:
     plot(results, report.png_path(name))
     rows_out = []
     for slots in cli.slots:
-        static, cont = (
-            next(r for r in results if r["slots"] == slots and r["mode"] == m) for m in ("static", "continuous")
+        static, loop, paged = (
+            next(r for r in results if r["slots"] == slots and r["mode"] == m) for m in ("static", "slots", "paged")
         )
-        rows_out.append([slots, static["tokens_per_s"], cont["tokens_per_s"], cont["tokens_per_s"] / static["tokens_per_s"],
-                         static["busy_share"], cont["busy_share"]])  # fmt: skip
+        rows_out.append([slots, static["tokens_per_s"], loop["tokens_per_s"], paged["tokens_per_s"],
+                         loop["tokens_per_s"] / static["tokens_per_s"], paged["tokens_per_s"] / static["tokens_per_s"],
+                         static["busy_share"], loop["busy_share"], paged["busy_share"]])  # fmt: skip
     table = report.markdown_table(
-        ["slots (rows)", "static tok/s", "continuous tok/s", "speed-up", "static slots busy", "continuous slots busy"],
+        ["slots (rows)", "static tok/s", "slot loop tok/s", "paged tok/s", "slot loop / static", "paged / static",
+         "static busy", "slot loop busy", "paged busy"],
         rows_out,
-    )
+    )  # fmt: skip
     command = "python benchmarks/continuous_batching.py" + ("" if cli.device == "cpu" else f" --device {cli.device}")
     report.update_readme(name, f"`{command}` (SmolLM2-135M-Instruct, {cli.prompts} arithmetic prompts, sampled "
                          f"at temperature 1, up to {cli.max_new_tokens} tokens, {device}, {cli.threads} threads)\n\n"

@@ -189,7 +189,7 @@ def _overlap(intervals, lo: float, hi: float) -> float:
 
 def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, seed: int = 0,
             threads: int = 1, staleness: int = 0, task=None, scoring_threads: int = 1, processes: int = 1,
-            consumption_window: int | None = None) -> dict:  # fmt: skip
+            consumption_window: int | None = None, continuous: bool = False) -> dict:  # fmt: skip
     """One training run; ``kind`` is "sync" (TRL GRPOTrainer with ``threads`` torch threads) or "async".
 
     ``processes`` > 1 (sync only): this is one rank of a DDP run launched by ``launch_ddp``; each rank takes
@@ -223,7 +223,8 @@ def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, 
         args = AsyncGRPOConfig(**common, max_staleness=staleness, num_rollout_workers=regime.workers,
                                rollout_batch_groups=regime.batch_groups,
                                rollout_scoring_threads=scoring_threads,
-                               rollout_consumption_window=consumption_window)  # fmt: skip
+                               rollout_consumption_window=consumption_window,
+                               rollout_continuous_batching=continuous)  # fmt: skip
         trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=data,
                                    callbacks=[clock], **extra)  # fmt: skip
     started = time.time()
@@ -238,6 +239,7 @@ def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, 
         "regime": regime.name, "kind": kind if processes == 1 else "ddp", "threads": threads,
         "staleness": staleness if kind == "async" else None, "scoring_threads": scoring_threads if kind == "async" else 1,
         "consumption_window": consumption_window if kind == "async" else None,  # None: arrival order
+        "continuous": continuous,  # the workers batch continuously (rollout_continuous_batching)
         "processes": processes,
         "workers": regime.workers if kind == "async" else 0, "steps": steps, "seed": seed, "wall_s": wall,
         "samples_per_s": steps * batch / wall, "tokens_per_s": tokens / wall, "tokens": tokens,
@@ -296,6 +298,8 @@ def configs(regime: Regime, quick: bool) -> list[dict]:
     if regime.agentic:  # episodes wait seconds for their tool: room for several steps of staleness
         stalenesses = [2, 4, 8]
     out += [dict(kind="async", staleness=s) for s in stalenesses]
+    if not regime.forced and not regime.agentic:  # lengths that differ: continuous batching has rows to refill
+        out += [dict(kind="async", staleness=s, continuous=True) for s in stalenesses]
     if regime.agentic:  # consumption in admission order: strict, and within one batch (4 groups)
         out += [dict(kind="async", staleness=s, consumption_window=w) for s, w in ((2, 1), (8, 1), (8, 4))]
     return out + [dict(kind="async", staleness=1, scoring_threads=n) for n in regime.scoring_threads]
@@ -321,6 +325,7 @@ def label(r: dict) -> str:
     if r["kind"] == "sync":
         return f"sync {r['threads']} thr"
     window = f", window {r['consumption_window']}" if r.get("consumption_window") else ""
+    window += ", continuous" if r.get("continuous") else ""
     return f"async η={r['staleness']}{window}" + (f", {r['scoring_threads']} scorers" if r["scoring_threads"] > 1 else "")
 
 

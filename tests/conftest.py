@@ -65,8 +65,15 @@ def no_rollout_children():
     return not [p for p in multiprocessing.active_children() if p.name.startswith("trl_async")]
 
 
-VLLM_FIXTURES = {"vllm_server", "vllm_tool_server", "vllm_server_to_kill", "vllm_server_to_restart",
-                 "vllm_lone_server", "vllm_server_to_heal", "vllm_pair_to_heal"}
+VLLM_FIXTURES = {
+    "vllm_server",
+    "vllm_tool_server",
+    "vllm_server_to_kill",
+    "vllm_server_to_restart",
+    "vllm_lone_server",
+    "vllm_server_to_heal",
+    "vllm_pair_to_heal",
+}
 
 
 def pytest_collection_modifyitems(items):

@@ -145,6 +145,7 @@ DEMO_DEFAULTS = dict(
     seed=0,
 )
 
+
 def cli() -> None:
     """``trl-async-demo`` and ``python recipes/cpu_demo.py``: the demo, any field overridable on the command line."""
     parser = TrlParser((DemoArguments, AsyncGRPOConfig))

@@ -52,6 +52,7 @@ HISTORY_FIELDS = {
     "guidance_scale": None,
     "watermarking_config": None,
     "renormalize_logits": False,
+    "remove_invalid_values": False,  # (not a history: a processor neither continuous loop applies)
 }
 PAGE_SIZE = 32  # tokens per KV-cache block
 
@@ -64,7 +65,10 @@ def continuous_blocker(config: Any) -> str | None:
     for name, neutral in HISTORY_FIELDS.items():
         value = getattr(config, name, neutral)
         if value not in (neutral, None) and not (name == "min_new_tokens" and value == 0):
-            return f"{name}={value!r} reads each row's history, which continuous batching does not pass to processors"
+            return (
+                f"{name}={value!r} is a processor continuous batching does not apply (most read each row's "
+                "history, which its processors do not see)"
+            )
     return None
 
 

@@ -130,15 +130,18 @@ class SlotRows:
         self.book.add(tasks)
 
     def finished(self, timeout_s: float = 0.0) -> list[RolloutGroup]:
-        """Refill free slots, decode one step, and return the groups whose last row finished."""
+        """Decode one step, refill the slots that frees, and return the groups whose last row finished."""
         del timeout_s  # one step per call: the worker polls its pipe between steps
+        groups = []
         with torch.no_grad():
-            joining = self.book.take(self.slots - len(self.rows))
-            if joining:
-                self._join(joining)
-            elif self.rows:
+            if self.rows:
                 self._decode()
-        return self._retire()
+                groups += self._retire()
+            joining = self.book.take(self.slots - len(self.rows))
+            if joining:  # their first token comes from their prefill: they decode from the next step on
+                self._join(joining)
+                groups += self._retire()
+        return groups
 
     def swap(self, adopt: Callable[[], None]) -> None:
         """Adopt new weights between two decode steps, and rebuild every row's cache with them."""
