@@ -203,22 +203,24 @@ def test_a_swap_after_rows_were_evicted_for_lack_of_cache_does_not_stall_them():
 WIDE = tuple(5 + i % 40 for i in range(40))
 
 
-def test_slot_rows_of_every_width_join_and_leave_and_the_batch_stays_as_wide_as_its_oldest_row():
+def test_slot_rows_of_every_width_join_and_leave_and_the_columns_no_row_uses_are_cut_off():
     """Rows join a running batch with contexts wider and narrower than it, and leave it at different steps: every
-    token's mu is still a teacher-forced forward of its row, and once a wide row leaves, the columns no other row
-    uses are cut off."""
+    token's mu is still a teacher-forced forward of its row. A wide row widens the cache; once it has left, the next
+    re-layout (at most ``room`` steps later) cuts off the columns no other row uses, and no step ever cuts a used
+    one."""
     tok, model, config = _setup(max_new_tokens=30, eos=False)
-    rows = SlotRows(model, config, 1, [], slots=3, max_context=0, current_version=lambda: 0, pad_token_id=0)
+    rows = SlotRows(model, config, 1, [], slots=3, max_context=0, current_version=lambda: 0, pad_token_id=0, room=2)
     long_ = RolloutTask(0, 0, (5, 6, 7), 0)  # 30 tokens
     short = RolloutTask(1, 1, (), 0, contexts=((8, 9),), rows=(0,), max_new_tokens=4)
     wide = RolloutTask(2, 2, (), 0, contexts=(WIDE,), rows=(0,), max_new_tokens=6)  # 40 > width
     narrow = RolloutTask(3, 3, (), 0, contexts=((11,),), rows=(0,), max_new_tokens=12)
-    groups, widths = [], []  # per step: (the batch's width, its longest row's cached tokens)
+    groups, steps = [], []  # per step: (groups done, the cache's width, its longest row's cached tokens)
     rows.submit([long_, short])
     for task in (wide, narrow, None):
         while rows.busy and len(groups) < (task.group_id - 1 if task else 4):
             groups += rows.finished()
-            widths.append((rows.mask.size(1), int(rows.mask.sum(1).max()) if rows.rows else 0))
+            longest = max((int(rows.mask[i].sum()) for i in rows.live), default=0)
+            steps.append(({g.group_id for g in groups}, rows.mask.size(1), longest))
         if task:
             rows.submit([task])
     assert sorted(g.group_id for g in groups) == [0, 1, 2, 3]
@@ -229,7 +231,8 @@ def test_slot_rows_of_every_width_join_and_leave_and_the_batch_stays_as_wide_as_
             torch.tensor(logps), _teacher_forced_logps(model, context, completion), atol=1e-5, rtol=0
         )
     assert [len(g.completion_ids[0]) for g in sorted(groups, key=lambda g: g.group_id)] == [30, 4, 6, 12]
-    # the wide row widened the batch; at every step the batch is exactly as wide as its longest row
-    assert max(w for w, _ in widths) >= 40
-    assert all(width == longest for width, longest in widths), widths
-    assert not rows.busy
+    assert all(width >= longest for _, width, longest in steps)  # no used column cut off
+    assert max(width for _, width, _ in steps) >= 40  # the wide row widened the cache
+    after = [(width, longest) for done, width, longest in steps if 2 in done and 0 not in done]  # long_ decoding
+    assert len(after) > 3 and after[3][0] == after[3][1], after  # cut back to the longest row within 2 + 1 steps
+    assert not rows.busy and rows.past is None

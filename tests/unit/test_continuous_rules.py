@@ -9,7 +9,8 @@ from trl_async.engines.transformers.continuous import (
     cut_at_eos,
     versions_of,
 )
-from trl_async.engines.transformers.slots import SlotRows, continuous_engine, left_pad, positions, slot_loop_blocker
+from trl_async.engines.transformers.slot_cache import columns_cache, first_used, left_pad, positions, relaid
+from trl_async.engines.transformers.slots import SlotRows, continuous_engine, slot_loop_blocker
 
 
 def test_samplers_that_read_a_rows_history_or_search_beams_keep_static_batches():
@@ -64,3 +65,30 @@ def test_the_slot_loop_takes_full_attention_models_on_a_cpu_and_leaves_the_rest_
     assert continuous_engine("cpu", full) is SlotRows
     assert continuous_engine("cpu", sliding) is ContinuousRows
     assert continuous_engine("cuda:0", full) is ContinuousRows
+
+
+def test_a_cache_layer_writes_each_step_in_place_and_doubles_when_out_of_room():
+    keys = torch.arange(2 * 1 * 3 * 1, dtype=torch.float).view(2, 1, 3, 1)
+    cache = columns_cache([(keys, -keys)], width=4, room=1)  # right-aligned at 4: one zero column in front
+    (layer,) = cache.layers
+    assert layer.capacity == 5 and layer.keys[0, 0, :, 0].tolist() == [0, 0, 1, 2]
+    buffer = layer.buffers[0]
+    step = torch.full((2, 1, 1, 1), 9.0)
+    layer.update(step, -step)
+    assert layer.buffers[0] is buffer and layer.keys[1, 0, :, 0].tolist() == [0, 3, 4, 5, 9]  # in place
+    layer.update(step, -step)  # no room left: the buffers double
+    assert layer.capacity == 10 and layer.keys.shape[2] == 6 and layer.values[1, 0, -1, 0] == -9
+    layer.put(0, torch.ones(1, 2, 1), torch.ones(1, 2, 1))  # a joining row: right-aligned, zeros before it
+    assert layer.keys[0, 0, :, 0].tolist() == [0, 0, 0, 0, 1, 1]
+
+
+def test_a_re_layout_keeps_the_chosen_rows_from_their_first_used_column_and_adds_free_ones():
+    keys = torch.arange(3 * 4, dtype=torch.float).view(3, 1, 4, 1)
+    cache = columns_cache([(keys, keys)], room=0)
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]])
+    keep = torch.tensor([0, 2])
+    start = first_used(mask[keep])
+    assert start == 1
+    (layer,) = relaid(cache, keep, start, extra_rows=1, width=3, room=2).layers
+    assert layer.capacity == 5 and layer.keys.shape == (3, 1, 3, 1)
+    assert layer.keys[:, 0, :, 0].tolist() == [[1, 2, 3], [9, 10, 11], [0, 0, 0]]

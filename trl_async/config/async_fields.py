@@ -157,14 +157,14 @@ class AsyncFields(ResolvedDefaults):
     rollout_continuous_batching: bool = field(
         default=False,
         metadata={
-            "help": "transformers workers: generate with transformers' continuous batching (a paged KV cache; a "
-            "finished row's slot takes the next queued row at once, so no row waits for the longest one of its "
-            "batch). Each worker decodes rollout_batch_groups * num_generations rows at once and adopts new weights "
-            "between decode steps (unless rollout_weight_update='batch'), re-encoding the rows in flight so every "
-            "token comes from one version. Needs a sampler it reproduces: no repetition_penalty, min_new_tokens or "
-            "beam search (its processors see only the current token). Meant for GPU workers: on a CPU its paged "
-            "attention costs more per token than generate's (benchmarks/continuous_batching.py). Default: static "
-            "batches, one generate call each."
+            "help": "transformers workers: batch continuously (a finished row's slot takes the next queued row at "
+            "once, so no row waits for the longest one of its batch). Each worker decodes rollout_batch_groups * "
+            "num_generations rows at once and adopts new weights between decode steps (unless "
+            "rollout_weight_update='batch'), re-encoding the rows in flight so every token comes from one version. "
+            "On a CPU the worker runs its own slot loop on one KV cache; on a GPU, and for models whose cache is "
+            "not full attention throughout, transformers' continuous batching (a paged KV cache). Needs a sampler "
+            "both reproduce: no repetition_penalty, min_new_tokens or beam search. Worth it when completion "
+            "lengths differ (benchmarks/continuous_batching.py). Default: static batches, one generate call each."
         },
     )
     rollout_torch_threads: int | None = field(

@@ -1,12 +1,13 @@
 """Continuous batching with a plain KV cache: a fixed number of slots, a finished row's slot refilled at once.
 
-The batch is one ``DynamicCache`` whose rows are left-padded to a common width. Between two decode steps:
+Every row decodes in one batch over one cache (``slot_cache.py``) whose rows are slots and whose columns are shared
+steps in time, each row left-padded. Between two decode steps:
 
-- **A row leaves** when it samples an EOS or reaches its budget: its cache row is dropped, and the leading columns
-  that no remaining row uses are cut off, so the width stays that of the oldest row in flight, as in a static batch.
-- **Rows join** in one batched prefill of their contexts; their cache is left-padded to the batch's width (or the
-  batch to theirs) and stacked under it. Each row's positions count its own tokens only, so padding changes no
-  position and no attention score.
+- **A row leaves** when it samples an EOS or reaches its budget; its slot stays in the batch, masked out, until a
+  waiting row takes it.
+- **Rows join** in one batched prefill of their contexts, and each is written into a free slot, right-aligned at the
+  cache's used width. Each row's positions count its own tokens only, so padding changes no position and no
+  attention score.
 - **New weights** (``swap``) are followed by a prefill of every row's tokens so far with them: a token sampled after a
   swap saw only the new weights, as a vLLM server recomputes its KV after a push.
 
@@ -14,10 +15,10 @@ Each token's behaviour log-prob is taken from the scores it was sampled from, af
 rebuilds (``sampling.processors``), and each token records the version of the forward that produced its logits.
 
 transformers' own continuous batching (``continuous.py``, a paged cache) is the engine on a GPU. On a CPU its paged
-attention and scheduling cost more per decode step than they save: a static ``generate`` batch decodes as fast. This
-loop keeps ``generate``'s per-step cost (the same model forward, the same cache) and adds only the slot refill.
-What it does not cover, and ``continuous_engine`` sends to the paged engine: models whose cache is not one full
-attention layer type throughout (sliding windows, linear attention, shared KV).
+attention and scheduling cost more per decode step than they save. This loop keeps ``generate``'s model forward and
+writes each step's keys and values in place. What it does not cover, and ``continuous_engine`` sends to the paged
+engine: models whose cache is not one full attention layer type throughout (sliding windows, linear attention,
+shared KV).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 
 from ...records import RolloutGroup, RolloutTask
 from .row_groups import RowGroups, WaitingRow
+from .slot_cache import ROOM, columns_cache, first_used, left_pad, positions, relaid
 from .worker import split_sampling_warpers
 
 
@@ -57,19 +59,13 @@ def continuous_engine(device: str | torch.device, model_config: Any) -> type:
     return ContinuousRows
 
 
-def left_pad(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    """``tensor`` widened to ``width`` along ``dim`` with zeros in front."""
-    missing = width - tensor.size(dim)
-    if missing <= 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
-
-
-def positions(mask: torch.Tensor) -> torch.Tensor:
-    """Each column's position in its row's own tokens (padding: 0), for a left-padded ``mask``."""
-    return (mask.cumsum(-1) - 1).clamp(min=0)
+@dataclass
+class _Joining:
+    rows: list
+    ids: torch.Tensor
+    mask: torch.Tensor
+    first: torch.Tensor  # each row's first token, from its prefill
+    kv: list  # per layer (keys, values): (rows, heads, width, dim)
 
 
 @dataclass
@@ -94,6 +90,7 @@ class SlotRows:
     current_version: Callable[[], int]
     lane_id: int = 0
     pad_token_id: int = 0
+    room: int = ROOM  # free columns after each re-layout of the cache
 
     def __post_init__(self) -> None:
         self.book = RowGroups(self.num_generations, self.generation_config.max_new_tokens, self.lane_id)
@@ -103,8 +100,8 @@ class SlotRows:
         # the cache's keyword: ``cache`` from transformers 5.25 on, ``past_key_values`` before
         self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.eos = set(self.eos_token_ids)
-        self.rows: list[_Row] = []  # in the batch's row order
-        self.past = None  # DynamicCache of every row: per layer (rows, heads, width, dim)
+        self.rows: list[_Row | None] = []  # per slot of the batch: its row, or None (free)
+        self.past = None  # the cache (slot_cache.py): per layer (slots, heads, columns, dim)
         self.ids = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # the tokens whose KV is cached
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
         self.last = torch.zeros(0, dtype=torch.long, device=self.device)  # each row's newest token, not yet cached
@@ -134,26 +131,46 @@ class SlotRows:
         del timeout_s  # one step per call: the worker polls its pipe between steps
         groups = []
         with torch.no_grad():
-            if self.rows:
+            if self.live:
                 self._decode()
-                groups += self._retire()
-            joining = self.book.take(self.slots - len(self.rows))
-            if joining:  # their first token comes from their prefill: they decode from the next step on
-                self._join(joining)
-                groups += self._retire()
+            while True:  # rows that join sample their first token in their prefill: some may be done at once
+                done = [i for i, row in enumerate(self.rows) if row is not None and self._is_done(row)]
+                for i in done:
+                    row, self.rows[i] = self.rows[i], None
+                    self.mask[i] = 0
+                    group = self.book.row_done(row.request, row.tokens, row.logprobs, row.versions)
+                    if group is not None:
+                        groups.append(group)
+                joining = self.book.take(self.slots - len(self.live))
+                if joining:
+                    self._place(self._prefill_rows(joining))
+                elif not done:
+                    break
+            live = len(self.live)
+            if not self.book.waiting and len(self.rows) > live and 2 * live <= len(self.rows):
+                self._relay(extra_rows=0)  # a tail, half the slots free: stop decoding them
         return groups
+
+    @property
+    def live(self) -> list[int]:
+        return [i for i, row in enumerate(self.rows) if row is not None]
 
     def swap(self, adopt: Callable[[], None]) -> None:
         """Adopt new weights between two decode steps, and rebuild every row's cache with them."""
         adopt()
-        if self.rows:
+        if self.live:
             with torch.no_grad():
-                self.past = self._prefill(self.ids, self.mask)[1]
+                self._relay(extra_rows=0)  # free slots have no tokens to prefill
+                past = self._prefill(self.ids, self.mask)[1]
+            self.past = columns_cache([(layer.keys, layer.values) for layer in past.layers], room=self.room)
 
     def close(self) -> None:
         self.rows, self.past = [], None
 
     # ---- the loop ----------------------------------------------------------------------------------------------
+    def _is_done(self, row: _Row) -> bool:
+        return len(row.tokens) >= row.budget or row.tokens[-1] in self.eos
+
     def _forward(self, ids, mask, pos, past):
         out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
@@ -167,14 +184,18 @@ class SlotRows:
         return self._forward(ids, mask, positions(mask), DynamicCache())
 
     def _decode(self) -> None:
+        if self.mask.size(1) >= self.past.layers[0].capacity:
+            self._relay(extra_rows=0)
         mask = torch.cat([self.mask, torch.ones_like(self.last)[:, None]], dim=1)
         pos = self.mask.sum(-1, keepdim=True)
         logits, self.past = self._forward(self.last[:, None], mask, pos, self.past)
+        live = self.live  # (a free slot decodes garbage, masked from no one but itself; never sampled from)
         self.ids, self.mask = torch.cat([self.ids, self.last[:, None]], dim=1), mask
-        self.last = self._sample(logits, self.rows)
+        index = torch.tensor(live, dtype=torch.long, device=self.device)
+        self.last[index] = self._sample(logits[index], [self.rows[i] for i in live])
 
-    def _join(self, joining: list[WaitingRow]) -> None:
-        """Prefill the joining rows and stack them under the batch; their first token is sampled from the prefill."""
+    def _prefill_rows(self, joining: list[WaitingRow]) -> _Joining:
+        """The joining rows' contexts, left-padded among themselves and prefilled; their first token sampled."""
         width = max(len(r.ids) for r in joining)
         ids = torch.full((len(joining), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(joining), width), dtype=torch.long)
@@ -183,18 +204,48 @@ class SlotRows:
             mask[i, width - len(row.ids) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         logits, past = self._prefill(ids, mask)
-        new = [_Row(r.request, r.budget) for r in joining]
-        first = self._sample(logits, new)
-        if self.rows:  # stack under the running batch, both left-padded to the wider one
-            width = max(width, self.ids.size(1))
-            for old, layer in zip(self.past.layers, past.layers, strict=True):
-                layer.keys = torch.cat([left_pad(old.keys, width, 2), left_pad(layer.keys, width, 2)])
-                layer.values = torch.cat([left_pad(old.values, width, 2), left_pad(layer.values, width, 2)])
-            ids = torch.cat([left_pad(self.ids, width, 1), left_pad(ids, width, 1)])
-            mask = torch.cat([left_pad(self.mask, width, 1), left_pad(mask, width, 1)])
-            first = torch.cat([self.last, first])
-        self.rows += new
-        self.past, self.ids, self.mask, self.last = past, ids, mask, first
+        rows = [_Row(r.request, r.budget) for r in joining]
+        first = self._sample(logits, rows)
+        return _Joining(rows, ids, mask, first, [(layer.keys, layer.values) for layer in past.layers])
+
+    def _place(self, joining: _Joining) -> None:
+        """Write the joining rows into free slots (more slots, or a wider cache, when they do not fit)."""
+        if self.past is None:
+            self.rows = list(joining.rows)
+            self.ids, self.mask, self.last = joining.ids, joining.mask, joining.first
+            self.past = columns_cache(joining.kv, room=self.room)
+            return
+        free = [i for i, row in enumerate(self.rows) if row is None]
+        width = joining.ids.size(1)
+        if len(free) < len(joining.rows) or width > self.mask.size(1):  # (the new layout drops the free slots)
+            self._relay(extra_rows=len(joining.rows), width=width)
+            free = [i for i, row in enumerate(self.rows) if row is None]
+        used = self.mask.size(1)
+        for i, (slot, row) in enumerate(zip(free[: len(joining.rows)], joining.rows, strict=True)):
+            self.rows[slot] = row
+            self.ids[slot], self.mask[slot] = left_pad(joining.ids[i], used, 0), left_pad(joining.mask[i], used, 0)
+            self.last[slot] = joining.first[i]
+            for layer, (keys, values) in zip(self.past.layers, joining.kv, strict=True):
+                layer.put(slot, keys[i], values[i])
+
+    def _relay(self, extra_rows: int, width: int = 0) -> None:
+        """Copy the cache into a new layout: the live rows only, the columns none of them uses cut off, at least
+        ``width`` columns wide, ``extra_rows`` free slots after them, and room to decode."""
+        live = self.live
+        if not live and not extra_rows:  # nothing decoding: the next rows start a new cache
+            self.rows, self.past = [], None
+            self.ids, self.mask, self.last = self.ids[:0, :0], self.mask[:0, :0], self.last[:0]
+            return
+        index = torch.tensor(live, dtype=torch.long, device=self.device)
+        mask = self.mask[index]
+        start = first_used(mask)
+        width = max(mask.size(1) - start, width)
+        self.past = relaid(self.past, index, start, extra_rows, width, self.room)
+        self.rows = [self.rows[i] for i in live] + [None] * extra_rows
+        pad = torch.zeros(extra_rows, width, dtype=torch.long, device=self.device)
+        self.ids = torch.cat([left_pad(self.ids[index, start:], width, 1), pad])
+        self.mask = torch.cat([left_pad(mask[:, start:], width, 1), pad])
+        self.last = torch.cat([self.last[index], pad[:, 0] + self.pad_token_id])
 
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
         """Sample each row's next token from the processed scores; record it with its log-prob and version."""
@@ -211,25 +262,3 @@ class SlotRows:
             row.logprobs.append(logprob)
             row.versions.append(version)
         return tokens
-
-    def _retire(self) -> list[RolloutGroup]:
-        """Rows that sampled an EOS or reached their budget leave; the columns no row uses any more are cut off."""
-        done = [i for i, row in enumerate(self.rows) if len(row.tokens) >= row.budget or row.tokens[-1] in self.eos]
-        if not done:
-            return []
-        groups = []
-        for i in done:
-            row = self.rows[i]
-            group = self.book.row_done(row.request, row.tokens, row.logprobs, row.versions)
-            if group is not None:
-                groups.append(group)
-        keep = [i for i in range(len(self.rows)) if i not in set(done)]
-        self.rows = [self.rows[i] for i in keep]
-        index = torch.tensor(keep, dtype=torch.long, device=self.device)
-        ids, mask = self.ids[index], self.mask[index]
-        used = mask.any(0).nonzero()
-        start = int(used[0]) if len(used) else mask.size(1)
-        self.ids, self.mask, self.last = ids[:, start:], mask[:, start:], self.last[index]
-        for layer in self.past.layers:
-            layer.keys, layer.values = layer.keys[index, :, start:], layer.values[index, :, start:]
-        return groups
