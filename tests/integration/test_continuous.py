@@ -236,3 +236,67 @@ def test_slot_rows_of_every_width_join_and_leave_and_the_columns_no_row_uses_are
     after = [(width, longest) for done, width, longest in steps if 2 in done and 0 not in done]  # long_ decoding
     assert len(after) > 3 and after[3][0] == after[3][1], after  # cut back to the longest row within 2 + 1 steps
     assert not rows.busy and rows.past is None
+
+
+def _check_layout(rows: SlotRows) -> None:
+    """The slot loop's invariants: one width for the cache, ids and mask; each live row's tokens right-aligned."""
+    width = rows.mask.size(1)
+    assert rows.ids.size(1) == width and rows.last.size(0) == len(rows.rows) == rows.mask.size(0)
+    for layer in rows.past.layers if rows.past is not None else ():
+        assert layer.width == width == layer.keys.size(2) and layer.keys.size(0) == len(rows.rows)
+    for i in rows.live:
+        n = int(rows.mask[i].sum())
+        assert rows.mask[i].tolist() == [0] * (width - n) + [1] * n and int(rows.last[i]) == rows.rows[i].tokens[-1]
+
+
+@pytest.mark.parametrize("room", [0, 3, 32])
+def test_slot_rows_under_random_arrivals_budgets_eos_and_swaps_keep_their_layout_and_log_probs(room):
+    """Groups of two rows arrive at random, with contexts of 1 to 45 tokens, budgets of 1 to 12 and three EOS tokens;
+    weights swap at random steps. After every step the layout holds, and at the end every token's mu is a
+    teacher-forced forward of its version: every path of the loop (a first join, joins in place, a joiner wider than
+    the cache, more joiners than free slots, rows done at their first token, re-layouts for room and for a tail,
+    swaps with free slots) is taken."""
+    import random
+
+    tok, model, config = _setup(max_new_tokens=12, eos=False)
+    weights = {0: {k: v.clone() for k, v in model.state_dict().items()}, 1: build_tiny_model(tok, seed=1).state_dict()}
+    state = {"v": 0}
+
+    def adopt():
+        state["v"] ^= 1
+        model.load_state_dict(weights[state["v"]])
+
+    eos = [5, 6, 7]
+    rows = SlotRows(model, config, 2, eos, slots=4, max_context=0, current_version=lambda: state["v"], pad_token_id=0,
+                    room=room)  # fmt: skip
+    rng, contexts, groups = random.Random(room), {}, []
+    torch.manual_seed(room)
+    for _ in range(200):
+        if rng.random() < 0.15:
+            for _ in range(rng.randint(1, 3)):
+                gid = len(contexts)
+                contexts[gid] = tuple(
+                    tuple(rng.randint(3, 30) for _ in range(rng.choice([1, 2, 3, 8, 20, 45]))) for _ in range(2)
+                )
+                rows.submit([RolloutTask(gid, gid, (), 0, contexts=contexts[gid], rows=(0, 1),
+                                         max_new_tokens=rng.choice([1, 2, 5, 12]))])  # fmt: skip
+        if rng.random() < 0.05:
+            rows.swap(adopt)
+            _check_layout(rows)
+        groups += rows.finished()
+        _check_layout(rows)
+    groups += _run(rows)
+    assert sorted(g.group_id for g in groups) == list(range(len(contexts))) and rows.past is None
+    checked = 0
+    for version in (0, 1):
+        model.load_state_dict(weights[version])
+        for group in groups:
+            for context, completion, logps, versions in zip(contexts[group.group_id], group.completion_ids,
+                                                            group.logprobs, group.versions, strict=True):  # fmt: skip
+                assert all(t not in eos for t in completion[:-1])
+                mine = [i for i, v in enumerate(versions) if v == version]
+                if mine:
+                    expected = _teacher_forced_logps(model, context, completion)[mine]
+                    torch.testing.assert_close(torch.tensor(logps)[mine], expected, atol=1e-5, rtol=0)
+                    checked += len(mine)
+    assert checked > 300

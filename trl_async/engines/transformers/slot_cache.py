@@ -63,6 +63,11 @@ class _Columns(DynamicLayer):
         self.keys, self.values = keys[:, :, :end], values[:, :, :end]
         return self.keys, self.values
 
+    def _reshaped(self, *args, **kwargs):
+        raise NotImplementedError("a slot cache layer changes shape only through slot_cache.relaid")
+
+    crop = batch_select_indices = batch_repeat_interleave = reorder_cache = _reshaped
+
     def put(self, row: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """A slot's row: ``keys``/``values`` (heads, w, dim) right-aligned at the used width, zeros before them."""
         w = keys.size(1)

@@ -184,8 +184,8 @@ class SlotRows:
         return self._forward(ids, mask, positions(mask), DynamicCache())
 
     def _decode(self) -> None:
-        if self.mask.size(1) >= self.past.layers[0].capacity:
-            self._relay(extra_rows=0)
+        if self.mask.size(1) >= self.past.layers[0].capacity:  # no room: re-lay out, keeping free slots rows wait for
+            self._relay(extra_rows=len(self.rows) - len(self.live) if self.book.waiting else 0)
         mask = torch.cat([self.mask, torch.ones_like(self.last)[:, None]], dim=1)
         pos = self.mask.sum(-1, keepdim=True)
         logits, self.past = self._forward(self.last[:, None], mask, pos, self.past)
