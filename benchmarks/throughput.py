@@ -397,10 +397,11 @@ def validate_simulator(rows: list[dict]) -> list[dict]:
     to the other regime by what a user knows before running (completion lengths, the verifier's latency, the number
     of scorers), and predicts that regime's seconds per step, which it cannot match by construction. The per-token
     scaling: a generate call and a training step on a padded batch cost in proportion to (prompt + longest
-    completion) tokens. gen_bound uses another model, so it is not predicted from balanced.
+    completion) tokens. gen_bound uses another model, so it is not predicted from balanced. Runs with continuous
+    batching are left out: the simulator models a worker as one generate call per chunk.
     """
     out = []
-    asyncs = [r for r in rows if r["kind"] == "async" and r["gen_calls_s"]]
+    asyncs = [r for r in rows if r["kind"] == "async" and r["gen_calls_s"] and not r.get("continuous")]
     prompt = len(dataset()[0]["prompt"])  # character tokenizer, no chat template: one token per character
     for r in asyncs:
         regime = next(g for g in REGIMES if g.name == r["regime"])
