@@ -189,7 +189,7 @@ class SlotRows:
         mask = torch.cat([self.mask, torch.ones_like(self.last)[:, None]], dim=1)
         pos = self.mask.sum(-1, keepdim=True)
         logits, self.past = self._forward(self.last[:, None], mask, pos, self.past)
-        live = self.live  # (a free slot decodes garbage, masked from no one but itself; never sampled from)
+        live = self.live  # (free slots decode too: no other row attends to them, and they are never sampled)
         self.ids, self.mask = torch.cat([self.ids, self.last[:, None]], dim=1), mask
         index = torch.tensor(live, dtype=torch.long, device=self.device)
         self.last[index] = self._sample(logits[index], [self.rows[i] for i in live])
