@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ...records import RolloutGroup, RolloutTask
-from .row_groups import RowGroups, cut_at_eos
+from .row_groups import RowGroups, RowsFront, cut_at_eos
 
 # GenerationConfig fields whose processors read each row's history (or are not sampling at all): with any of them
 # set, continuous batching would sample from another distribution than the trainer rebuilds
@@ -91,7 +91,7 @@ def generated_so_far(state) -> int:
 
 
 @dataclass
-class ContinuousRows:
+class ContinuousRows(RowsFront):
     """Rows waiting for a slot and groups waiting for their rows, around one continuous-batching manager."""
 
     model: torch.nn.Module
@@ -126,23 +126,6 @@ class ContinuousRows:
         self.manager.start()
         self._budgets: dict[str, int] = {}  # request id -> its token budget
         self._marks: dict[str, list[tuple[int, int]]] = {}  # request id -> (first token index, version), in order
-
-    # the interface the worker's loop uses (``serve_continuously``), as ``SlotRows``
-    @property
-    def busy(self) -> bool:
-        return self.book.busy
-
-    @property
-    def active(self) -> int:
-        return self.book.active
-
-    @property
-    def waiting(self):
-        return self.book.waiting
-
-    @property
-    def occupancy(self):
-        return self.book.occupancy
 
     def submit(self, tasks: Sequence[RolloutTask]) -> None:
         self.book.add(tasks)

@@ -95,3 +95,25 @@ class RowGroups:
             generate_started_at=pending.started_at,
             rows=task.rows,
         )
+
+
+class RowsFront:
+    """What the worker's loop (``serve_continuously``) reads of a continuous engine, from its ``book``."""
+
+    book: RowGroups
+
+    @property
+    def busy(self) -> bool:
+        return self.book.busy
+
+    @property
+    def active(self) -> int:
+        return self.book.active
+
+    @property
+    def waiting(self) -> deque:
+        return self.book.waiting
+
+    @property
+    def occupancy(self) -> deque:
+        return self.book.occupancy

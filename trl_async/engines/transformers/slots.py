@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ...records import RolloutGroup, RolloutTask
-from .row_groups import RowGroups, WaitingRow
+from .row_groups import RowGroups, RowsFront, WaitingRow
 from .slot_cache import ROOM, columns_cache, first_used, left_pad, positions, relaid
 from .worker import split_sampling_warpers
 
@@ -78,7 +78,7 @@ class _Row:
 
 
 @dataclass
-class SlotRows:
+class SlotRows(RowsFront):
     """Rows decoding in ``slots`` slots of one left-padded batch; the same interface as ``ContinuousRows``."""
 
     model: torch.nn.Module
@@ -105,23 +105,6 @@ class SlotRows:
         self.ids = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # the tokens whose KV is cached
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
         self.last = torch.zeros(0, dtype=torch.long, device=self.device)  # each row's newest token, not yet cached
-
-    # the interface the worker's loop uses (``serve_continuously``)
-    @property
-    def busy(self) -> bool:
-        return self.book.busy
-
-    @property
-    def active(self) -> int:
-        return self.book.active
-
-    @property
-    def waiting(self):
-        return self.book.waiting
-
-    @property
-    def occupancy(self):
-        return self.book.occupancy
 
     def submit(self, tasks: Sequence[RolloutTask]) -> None:
         self.book.add(tasks)
