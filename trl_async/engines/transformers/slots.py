@@ -33,7 +33,7 @@ import torch
 from ...records import RolloutGroup, RolloutTask
 from .row_groups import RowGroups, RowsFront, WaitingRow
 from .slot_cache import ROOM, columns_cache, first_used, left_pad, positions, relaid
-from .worker import split_sampling_warpers
+from .worker import left_padded, split_sampling_warpers
 
 
 def slot_loop_blocker(model_config: Any) -> str | None:
@@ -179,13 +179,7 @@ class SlotRows(RowsFront):
 
     def _prefill_rows(self, joining: list[WaitingRow]) -> _Joining:
         """The joining rows' contexts, left-padded among themselves and prefilled; their first token sampled."""
-        width = max(len(r.ids) for r in joining)
-        ids = torch.full((len(joining), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(joining), width), dtype=torch.long)
-        for i, row in enumerate(joining):
-            ids[i, width - len(row.ids) :] = torch.tensor(row.ids)
-            mask[i, width - len(row.ids) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        ids, mask = (t.to(self.device) for t in left_padded([r.ids for r in joining], self.pad_token_id))
         logits, past = self._prefill(ids, mask)
         rows = [_Row(r.request, r.budget) for r in joining]
         first = self._sample(logits, rows)

@@ -118,6 +118,17 @@ class _DecodeStepHook:
         return scores
 
 
+def left_padded(rows: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` of ``rows`` left-padded to the longest one."""
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        input_ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        attention_mask[i, width - len(r) :] = 1
+    return input_ids, attention_mask
+
+
 def generate_groups(
     model: torch.nn.Module,
     tasks: Sequence[RolloutTask],
@@ -143,12 +154,8 @@ def generate_groups(
     rows = [r for task_rows in per_task for r in task_rows]
     budgets = [task.max_new_tokens or generation_config.max_new_tokens for task in tasks]
     row_budget = [b for b, task_rows in zip(budgets, per_task, strict=True) for _ in task_rows]
-    width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):  # left padding
-        input_ids[i, width - len(r) :] = torch.tensor(r)
-        attention_mask[i, width - len(r) :] = 1
+    input_ids, attention_mask = left_padded(rows, pad_token_id)
+    width = input_ids.size(1)
 
     # beam search is not a sampling policy: its tokens have no behaviour log-prob (mu is NaN: they train uncorrected,
     # as with GRPOTrainer's own generation), and the weights stay those of the call's start (beams are reordered
