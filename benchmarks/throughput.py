@@ -224,7 +224,7 @@ def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, 
                                rollout_batch_groups=regime.batch_groups,
                                rollout_scoring_threads=scoring_threads,
                                rollout_consumption_window=consumption_window,
-                               rollout_continuous_batching=continuous)  # fmt: skip
+                               use_transformers_continuous_batching=continuous)  # fmt: skip
         trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=data,
                                    callbacks=[clock], **extra)  # fmt: skip
     started = time.time()
@@ -239,7 +239,7 @@ def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, 
         "regime": regime.name, "kind": kind if processes == 1 else "ddp", "threads": threads,
         "staleness": staleness if kind == "async" else None, "scoring_threads": scoring_threads if kind == "async" else 1,
         "consumption_window": consumption_window if kind == "async" else None,  # None: arrival order
-        "continuous": continuous,  # the workers batch continuously (rollout_continuous_batching)
+        "continuous": continuous,  # the workers batch continuously (use_transformers_continuous_batching)
         "processes": processes,
         "workers": regime.workers if kind == "async" else 0, "steps": steps, "seed": seed, "wall_s": wall,
         "samples_per_s": steps * batch / wall, "tokens_per_s": tokens / wall, "tokens": tokens,

@@ -45,3 +45,69 @@ def refused_generation(config) -> str | None:
         "refuses prompt lookup and group beam search too). Use sampling (the default), greedy (do_sample=False) "
         "or num_beams"
     )
+
+
+# GenerationConfig fields whose processors read each row's history (or are not sampling at all): with any of them
+# set, continuous batching would sample from another distribution than the trainer rebuilds
+HISTORY_FIELDS = {
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "min_new_tokens": None,
+    "min_length": 0,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+    "bad_words_ids": None,
+    "sequence_bias": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "exponential_decay_length_penalty": None,
+    "stop_strings": None,
+    "guidance_scale": None,
+    "watermarking_config": None,
+    "renormalize_logits": False,
+    "remove_invalid_values": False,  # (not a history: a processor neither continuous loop applies)
+}
+
+# ContinuousBatchingConfig settings the workers' use of transformers' engine depends on, and why
+PAGED_REQUIRED = {
+    "return_logprobs": (True, "each token's behaviour log-prob is read from it"),
+    "allow_block_sharing": (False, "a shared prefix block would hold the keys and values of older weights"),
+    "use_async_batching": (False, "a weight swap must see every row's tokens as they are"),
+    "cpu_offload_space": (0.0, "an evicted row must be prefilled again with the weights of that moment, not restored"),
+}
+
+
+def continuous_blocker(config) -> str | None:
+    """Why continuous batching cannot sample exactly what ``generate`` would with ``config`` (a GenerationConfig), or
+    ``None``."""
+    if (getattr(config, "num_beams", 1) or 1) > 1:
+        return f"num_beams={config.num_beams} is beam search"
+    for name, neutral in HISTORY_FIELDS.items():
+        value = getattr(config, name, neutral)
+        if value not in (neutral, None) and not (name == "min_new_tokens" and value == 0):
+            return (
+                f"{name}={value!r} is a processor continuous batching does not apply (most read each row's "
+                "history, which its processors do not see)"
+            )
+    return None
+
+
+def refused_paged_settings(settings: dict | None) -> str | None:
+    """Why the workers cannot run transformers' continuous batching with ``settings`` (GRPOConfig's
+    ``transformers_continuous_batching_config``), or ``None``."""
+    if not settings:
+        return None
+    if not isinstance(settings, dict):
+        return f"give a dict of ContinuousBatchingConfig keyword arguments, not {type(settings).__name__}"
+    for key, (needed, why) in PAGED_REQUIRED.items():
+        if key in settings and settings[key] != needed:
+            return f"{key}={settings[key]!r} cannot be used: {why}. Remove {key!r} (the workers set {needed!r})"
+    from transformers import ContinuousBatchingConfig
+
+    try:
+        ContinuousBatchingConfig(**settings)
+    except (TypeError, ValueError) as exc:
+        return f"transformers' ContinuousBatchingConfig refuses it ({exc}). Give its own keyword arguments"
+    return None

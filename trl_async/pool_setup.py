@@ -143,7 +143,8 @@ def process_backend(trainer, model) -> ProcessBackend:
     fp16 = args.fp16 and trainer.accelerator.device.type != "cpu"  # accelerate autocasts only bf16 on a CPU
     split = trainer._core_split  # rollout_cpu_affinity: each worker's cores
     merges = adapter_tensors(model)[2] if trainer._adapter_sync else ()  # how workers rebuild the adapted weights
-    slots = continuous_slots(a.rollout_continuous_batching, trainer._geometry.groups_per_call, trainer.num_generations)
+    continuous = args.use_transformers_continuous_batching  # GRPOConfig's (use_transformers_paged sets it too)
+    slots = continuous_slots(continuous, trainer._geometry.groups_per_call, trainer.num_generations)
     max_context = min(getattr(base.config, "max_position_embeddings", None) or 2**20,
                       CONTEXT_ESTIMATE + (trainer.generation_config.max_new_tokens or 0))  # fmt: skip
     specs = [
@@ -162,6 +163,7 @@ def process_backend(trainer, model) -> ProcessBackend:
             weight_update=a.rollout_weight_update or ("decode_step" if slots else "batch"),
             slots=slots,
             max_context=max_context,
+            paged_settings=args.transformers_continuous_batching_config if continuous else None,
             torch_threads=(a.rollout_torch_threads or len(split.workers[i])) if split else a.resolved_rollout_threads,
             nice=a.resolved_rollout_nice,
             seed=args.seed + 1 + i + 100_003 * trainer.state.global_step,

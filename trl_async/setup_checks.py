@@ -15,8 +15,7 @@ from torch import nn
 from transformers.utils import logging
 from trl.data_utils import is_conversational
 
-from .engines.transformers.continuous import continuous_blocker
-from .generation_modes import refused_generation
+from .generation_modes import continuous_blocker, refused_generation, refused_paged_settings
 from .precision import emulated_precision_warning
 
 logger = logging.get_logger(__name__)
@@ -123,13 +122,16 @@ def check_after_loading(trainer) -> None:
         refused = refused_generation(trainer.generation_config)
         if refused is not None:
             raise ValueError(f"GRPOConfig.generation_kwargs={trainer.args.generation_kwargs!r} is invalid: {refused}")
-        if trainer.async_args.rollout_continuous_batching:
+        if trainer.args.use_transformers_continuous_batching:
             blocker = continuous_blocker(trainer.generation_config)
             if blocker is not None:
                 raise ValueError(
-                    f"AsyncGRPOConfig.rollout_continuous_batching=True is invalid with this sampler: {blocker}. Set "
-                    "it to False (static batches) or change the sampler"
+                    f"GRPOConfig.use_transformers_continuous_batching=True is invalid with this sampler: {blocker}. "
+                    "Set it to False (static batches) or change the sampler"
                 )
+            refused = refused_paged_settings(trainer.args.transformers_continuous_batching_config)
+            if refused is not None:  # a plain GRPOConfig's (an AsyncGRPOConfig refused it when it was built)
+                raise ValueError(f"GRPOConfig.transformers_continuous_batching_config is invalid: {refused}")
     data = trainer.train_dataset
     if trainer.tools and data is not None and "prompt" in data.column_names and not is_conversational(data[0]):
         raise ValueError(
@@ -164,8 +166,6 @@ def check_after_loading(trainer) -> None:
             "benchmarks/ARCHIVE.md, 'How the cores are split'). Set OMP_WAIT_POLICY=PASSIVE in the "
             "environment before torch is imported (the recipes do); workers get it by default."
         )
-    if trainer.args.use_transformers_continuous_batching:
-        logger.warning("use_transformers_continuous_batching is ignored: rollout workers use `generate`.")
 
 
 @dataclass(frozen=True)

@@ -166,8 +166,8 @@ def test_a_row_finished_before_a_swap_but_not_yet_collected_keeps_the_old_versio
 
 
 def test_a_sampler_continuous_batching_cannot_reproduce_is_refused_at_construction(tmp_path, tiny_model_dir):
-    args = async_args(tmp_path, rollout_continuous_batching=True, repetition_penalty=1.1)
-    with pytest.raises(ValueError, match=r"rollout_continuous_batching=True is invalid.*repetition_penalty=1.1"):
+    args = async_args(tmp_path, use_transformers_continuous_batching=True, repetition_penalty=1.1)
+    with pytest.raises(ValueError, match=r"use_transformers_continuous_batching=True is invalid.*repetition_pen"):
         AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=letter_reward, args=args, train_dataset=text_dataset())
 
 

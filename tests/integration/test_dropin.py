@@ -114,6 +114,33 @@ def test_plain_grpo_config_and_a_reward_model(tmp_path, tiny_model_dir):
     assert max(trained_staleness(trainer)) <= 1
 
 
+def test_trls_continuous_batching_fields_reach_the_workers(tmp_path, tiny_model_dir):
+    """GRPOConfig's switch (here its older name, ``use_transformers_paged``) turns the workers' continuous batching
+    on, and its ``transformers_continuous_batching_config`` configures transformers' paged engine, which then runs
+    on the CPU too."""
+    given = {"scheduler_type": "prefill_first"}
+    with pytest.warns(FutureWarning, match="use_transformers_paged"):
+        args = GRPOConfig(output_dir=str(tmp_path), **{**COMMON, "max_steps": 2}, use_transformers_paged=True,
+                          transformers_continuous_batching_config=given)  # fmt: skip
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=text_dataset()
+    )
+    trainer.train()
+    specs = trainer.last_rollout_pool.backend.specs
+    assert all(s.slots == trainer.num_generations * trainer._geometry.groups_per_call for s in specs)
+    assert all(s.paged_settings == given and s.weight_update == "decode_step" for s in specs)
+    assert len([h for h in trainer.state.log_history if "reward" in h]) == 2
+
+
+def test_trls_continuous_batching_settings_that_would_break_mu_are_refused_for_a_plain_grpo_config(
+    tmp_path, tiny_model_dir
+):
+    args = GRPOConfig(output_dir=str(tmp_path), **COMMON, use_transformers_continuous_batching=True,
+                      transformers_continuous_batching_config={"return_logprobs": False})  # fmt: skip
+    with pytest.raises(ValueError, match=r"transformers_continuous_batching_config is invalid: return_logprobs=False"):
+        AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=text_dataset())
+
+
 def test_async_reward_runs_on_grpo_trainers_loop_across_groups_and_steps(tmp_path, tiny_model_dir):
     gate, loops = asyncio.Semaphore(1), []  # loop-bound once contended, like an async HTTP client
 

@@ -168,7 +168,7 @@ def test_workers_sample_from_the_trainers_adapted_model_of_each_version(tmp_path
     temperature = 0.7
     args = async_args(tmp_path, max_steps=4, temperature=temperature, learning_rate=5e-2, rollout_verify_weights=True,
                       rollout_trajectory_file="traj.jsonl", rollout_lora_sync="merged" if sync == "merged" else
-                      "adapters", rollout_continuous_batching=sync == "continuous")  # fmt: skip
+                      "adapters", use_transformers_continuous_batching=sync == "continuous")  # fmt: skip
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
     kept = KeepPublished()
     trainer = VersionedTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=text_dataset(),

@@ -81,6 +81,32 @@ def test_async_config_is_a_grpo_config_with_its_values():
     assert async_fields_of(cfg).max_staleness == 3 and async_fields_of(cfg).num_rollout_workers == 2
 
 
+def test_paged_engine_settings_that_would_break_mu_or_the_swap_are_refused_where_they_would_be_used():
+    cb = dict(use_transformers_continuous_batching=True)
+    with pytest.raises(ValueError, match=r"transformers_continuous_batching_config=.*allow_block_sharing=True cannot"):
+        AsyncGRPOConfig(**BASE, **cb, transformers_continuous_batching_config={"allow_block_sharing": True})
+    with pytest.raises(
+        ValueError, match=r"transformers_continuous_batching_config=.*ContinuousBatchingConfig refuses"
+    ):
+        AsyncGRPOConfig(**BASE, **cb, transformers_continuous_batching_config={"slots": 8})
+    given = {"scheduler_type": "prefill_first", "num_blocks": 64}
+    assert AsyncGRPOConfig(
+        **BASE, **cb, transformers_continuous_batching_config=given
+    ).use_transformers_continuous_batching
+    # GRPOTrainer reads the settings only with continuous batching on, and never with vLLM: neither do the workers
+    off = {"allow_block_sharing": True}
+    assert not AsyncGRPOConfig(
+        **BASE, transformers_continuous_batching_config=off
+    ).use_transformers_continuous_batching
+    AsyncGRPOConfig(**BASE, **cb, rollout_backend="vllm", transformers_continuous_batching_config=off)
+
+
+def test_the_older_use_transformers_paged_turns_continuous_batching_on_as_in_trl():
+    with pytest.warns(FutureWarning, match="use_transformers_paged"):
+        config = AsyncGRPOConfig(**BASE, use_transformers_paged=True)
+    assert config.use_transformers_continuous_batching
+
+
 def test_weight_update_point_defaults_to_the_backends_cheap_one():
     assert AsyncGRPOConfig(**BASE).resolved_weight_update == "batch"  # workers adopt between generate calls
     assert AsyncGRPOConfig(**BASE, rollout_backend="vllm").resolved_weight_update == "decode_step"  # pause keep

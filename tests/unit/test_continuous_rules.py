@@ -4,13 +4,14 @@ from transformers import GenerationConfig
 
 from trl_async.engines.transformers.continuous import (
     ContinuousRows,
-    continuous_blocker,
     continuous_slots,
     cut_at_eos,
+    paged_settings,
     versions_of,
 )
 from trl_async.engines.transformers.slot_cache import columns_cache, first_used, left_pad, positions, relaid
 from trl_async.engines.transformers.slots import SlotRows, continuous_engine, slot_loop_blocker
+from trl_async.generation_modes import continuous_blocker, refused_paged_settings
 
 
 def test_samplers_that_read_a_rows_history_or_search_beams_keep_static_batches():
@@ -20,6 +21,34 @@ def test_samplers_that_read_a_rows_history_or_search_beams_keep_static_batches()
     assert "no_repeat_ngram_size=2" in continuous_blocker(GenerationConfig(no_repeat_ngram_size=2))
     assert "beam search" in continuous_blocker(GenerationConfig(num_beams=2))
     assert continuous_blocker(GenerationConfig(min_new_tokens=0)) is None
+
+
+def test_the_users_paged_engine_settings_are_taken_unless_they_would_break_mu_or_the_swap():
+    assert refused_paged_settings(None) is None
+    assert refused_paged_settings({"scheduler_type": "prefill_first", "num_blocks": 64}) is None
+    assert "return_logprobs=False cannot be used" in refused_paged_settings({"return_logprobs": False})
+    assert "allow_block_sharing=True cannot be used" in refused_paged_settings({"allow_block_sharing": True})
+    assert "use_async_batching=True" in refused_paged_settings({"use_async_batching": True})
+    assert "cpu_offload_space=2.0" in refused_paged_settings({"cpu_offload_space": 2.0})
+    assert refused_paged_settings({"return_logprobs": True}) is None  # what the workers set anyway
+    assert "ContinuousBatchingConfig refuses it" in refused_paged_settings({"max_batch_tokenz": 8})
+
+
+def test_the_paged_cache_holds_every_slot_unless_the_user_sizes_it():
+    # 4 slots of 100 tokens in pages of 32: 4 pages each plus one
+    assert paged_settings(4, 100) == dict(
+        page_size=32,
+        max_batch_tokens=256,
+        num_blocks=20,
+        return_logprobs=True,
+        allow_block_sharing=False,
+        use_async_batching=False,
+        cpu_offload_space=0.0,
+    )
+    assert paged_settings(4, 100, {"page_size": 64})["num_blocks"] == 4 * (2 + 1)
+    assert "num_blocks" not in paged_settings(4, 100, {"max_memory_percent": 0.3})
+    assert paged_settings(4, 100, {"num_blocks": 7, "scheduler_type": "prefill_first"})["num_blocks"] == 7
+    assert paged_settings(4, 100, {"return_logprobs": True})["return_logprobs"] is True
 
 
 def test_slots_are_the_rollout_batch_in_rows_when_on():
@@ -65,6 +94,7 @@ def test_the_slot_loop_takes_full_attention_models_on_a_cpu_and_leaves_the_rest_
     assert continuous_engine("cpu", full) is SlotRows
     assert continuous_engine("cpu", sliding) is ContinuousRows
     assert continuous_engine("cuda:0", full) is ContinuousRows
+    assert continuous_engine("cpu", full, {"scheduler_type": "fifo"}) is ContinuousRows  # the user configured it
 
 
 def test_a_cache_layer_writes_each_step_in_place_and_doubles_when_out_of_room():

@@ -126,7 +126,7 @@ class AsyncFields(ResolvedDefaults):
         default=None,
         metadata={
             "help": "Rollout batch size: prompt groups a worker generates at once (one `generate` call; with "
-            "rollout_continuous_batching, its rows decoding at once). Default: one generation batch split evenly "
+            "use_transformers_continuous_batching, its rows decoding at once). Default: one generation batch split evenly "
             "over the workers."
         },
     )
@@ -152,19 +152,6 @@ class AsyncFields(ResolvedDefaults):
             "decode steps (in flight; a completion may then carry tokens of several versions, each tagged with its "
             "own). Default: 'decode_step' for vLLM servers and continuously batching workers, 'batch' for "
             "transformers workers that batch statically."
-        },
-    )
-    rollout_continuous_batching: bool = field(
-        default=False,
-        metadata={
-            "help": "transformers workers: batch continuously (a finished row's slot takes the next queued row at "
-            "once, so no row waits for the longest one of its batch). Each worker decodes rollout_batch_groups * "
-            "num_generations rows at once and adopts new weights between decode steps (unless "
-            "rollout_weight_update='batch'), re-encoding the rows in flight so every token comes from one version. "
-            "On a CPU the worker runs its own slot loop on one KV cache; on a GPU, and for models whose cache is "
-            "not full attention throughout, transformers' continuous batching (a paged KV cache). Needs a sampler "
-            "both reproduce: no repetition_penalty, min_new_tokens or beam search. Worth it when completion "
-            "lengths differ (benchmarks/continuous_batching.py). Default: static batches, one generate call each."
         },
     )
     rollout_torch_threads: int | None = field(

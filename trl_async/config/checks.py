@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..cores import allowed_cores, parse_cpu_list, split_cores
-from ..generation_modes import refused_generation_kwargs
+from ..generation_modes import refused_generation_kwargs, refused_paged_settings
 from ..sampling import SAMPLER_FIELDS, VLLM_GREEDY_BELOW, refused_sampling
 from .async_fields import (
     LORA_SYNCS,
@@ -94,7 +94,6 @@ FIELD_RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("rollout_torch_threads", whole(1, optional=True),
      "set it to 1 or more, or None for the cores available divided among the workers"),
     ("dynamic_sampling", lambda v: isinstance(v, bool), "set True or False"),
-    ("rollout_continuous_batching", lambda v: isinstance(v, bool), "set True or False"),
     ("rollout_consumption_window", whole(1, optional=True),
      "set None (arrival order) or a whole number of groups >= 1 (1: strict admission order)"),
     ("dynamic_sampling_limit", whole(1, optional=True),
@@ -132,7 +131,13 @@ def check_async_fields(settings, loss_type: str | None = None) -> None:
     for name, rule, fix in FIELD_RULES:
         if not rule(getattr(settings, name)):
             refuse(settings, name, fix)
-    for check in (check_staleness_bound, check_engine_only_fields, check_generation_kwargs, check_sampling):
+    for check in (
+        check_staleness_bound,
+        check_engine_only_fields,
+        check_generation_kwargs,
+        check_sampling,
+        check_continuous_batching,
+    ):
         check(settings)
     check_vespo(settings, loss_type)
     if settings.rollout_cpu_affinity is not None:
@@ -153,9 +158,6 @@ def check_staleness_bound(s) -> None:
 
 def check_engine_only_fields(s) -> None:
     """Fields that mean something to one engine only."""
-    if s.rollout_continuous_batching and s.rollout_backend != "transformers":
-        refuse(s, "rollout_continuous_batching", "it sets how the transformers workers batch; vLLM servers always "
-               "batch continuously. Leave it None")  # fmt: skip
     if s.rollout_backend == "vllm" and s.rollout_verify_weights:
         refuse(
             s,
@@ -176,6 +178,15 @@ def check_engine_only_fields(s) -> None:
             "workers converting weights to rollout_dtype cannot reproduce the "
             "trainer's bytes. Set one of them back to its default",
         )
+
+
+def check_continuous_batching(s) -> None:
+    """GRPOConfig's ``transformers_continuous_batching_config``, where the transformers workers batch continuously
+    (``use_transformers_continuous_batching``; a vLLM server batches by itself, as with GRPOTrainer)."""
+    if s.rollout_backend == "transformers" and getattr(s, "use_transformers_continuous_batching", False):
+        refused = refused_paged_settings(getattr(s, "transformers_continuous_batching_config", None))
+        if refused is not None:
+            refuse(s, "transformers_continuous_batching_config", refused)
 
 
 def check_generation_kwargs(s) -> None:

@@ -28,7 +28,6 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "Generation on the workers": (
         "rollout_queue_size",
         "rollout_weight_update",
-        "rollout_continuous_batching",
         "rollout_torch_threads",
         "rollout_cpu_affinity",
         "rollout_nice",
@@ -61,6 +60,22 @@ FROM_TRL = (
     ("vllm_enable_sleep_mode=True", "refused with colocate (the server must generate while the trainer steps)"),
     ("steps_per_generation, generation_batch_size", "the generation batch the pool hands over per take, unchanged"),
     ("temperature, top_k, top_p, min_p, repetition_penalty", "the workers' sampler; the importance ratio rebuilds it"),
+    (
+        "use_transformers_continuous_batching (or the older use_transformers_paged)",
+        "the transformers workers batch continuously: a finished row's slot takes the next waiting row at once, and "
+        "new weights are adopted between decode steps (unless `rollout_weight_update='batch'`), the rows in flight "
+        "re-encoded so every token comes from one version. `rollout_batch_groups * num_generations` rows decode at "
+        "once per worker. A CPU worker runs a slot loop on one KV cache, a GPU worker transformers' paged engine. "
+        "Refused with samplers that read a row's history (`repetition_penalty`, `min_new_tokens`) and beam search. "
+        "Worth it where completion lengths differ (`benchmarks/continuous_batching.py`)",
+    ),
+    (
+        "transformers_continuous_batching_config",
+        "with continuous batching on, the workers run transformers' paged engine with these settings, on a CPU "
+        "too; its KV cache is sized for the rows unless the dict sets `num_blocks` or `max_memory_percent`. "
+        "`return_logprobs`, `allow_block_sharing`, `use_async_batching` and `cpu_offload_space` are the workers' "
+        "to set (refused if given otherwise)",
+    ),
 )
 
 

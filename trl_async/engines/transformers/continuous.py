@@ -16,7 +16,8 @@ between decode steps). This module adds what a rollout worker needs on top of it
 
 What transformers' continuous batching lacks, and the static path (``generate_groups``) keeps: processors that read
 a row's history (``repetition_penalty``, ``min_new_tokens``, ``no_repeat_ngram_size``, ...; its processors see only
-the current token) and beam search. ``continuous_blocker`` names them; the worker then batches statically.
+the current token) and beam search. ``generation_modes.continuous_blocker`` names them, and the trainer's
+construction refuses them with continuous batching on.
 """
 
 from __future__ import annotations
@@ -29,47 +30,23 @@ from typing import Any
 
 import torch
 
+from ...generation_modes import PAGED_REQUIRED
 from ...records import RolloutGroup, RolloutTask
 from .row_groups import RowGroups, RowsFront, cut_at_eos
 
-# GenerationConfig fields whose processors read each row's history (or are not sampling at all): with any of them
-# set, continuous batching would sample from another distribution than the trainer rebuilds
-HISTORY_FIELDS = {
-    "repetition_penalty": 1.0,
-    "encoder_repetition_penalty": 1.0,
-    "min_new_tokens": None,
-    "min_length": 0,
-    "no_repeat_ngram_size": 0,
-    "encoder_no_repeat_ngram_size": 0,
-    "bad_words_ids": None,
-    "sequence_bias": None,
-    "suppress_tokens": None,
-    "begin_suppress_tokens": None,
-    "forced_bos_token_id": None,
-    "forced_eos_token_id": None,
-    "exponential_decay_length_penalty": None,
-    "stop_strings": None,
-    "guidance_scale": None,
-    "watermarking_config": None,
-    "renormalize_logits": False,
-    "remove_invalid_values": False,  # (not a history: a processor neither continuous loop applies)
-}
-PAGE_SIZE = 32  # tokens per KV-cache block
+PAGE_SIZE = 32  # tokens per KV-cache block, unless the user's settings give page_size
 
 
-def continuous_blocker(config: Any) -> str | None:
-    """Why continuous batching cannot sample exactly what ``generate`` would with ``config`` (a GenerationConfig), or
-    ``None``."""
-    if (getattr(config, "num_beams", 1) or 1) > 1:
-        return f"num_beams={config.num_beams} is beam search"
-    for name, neutral in HISTORY_FIELDS.items():
-        value = getattr(config, name, neutral)
-        if value not in (neutral, None) and not (name == "min_new_tokens" and value == 0):
-            return (
-                f"{name}={value!r} is a processor continuous batching does not apply (most read each row's "
-                "history, which its processors do not see)"
-            )
-    return None
+def paged_settings(slots: int, max_context: int, given: dict | None = None) -> dict:
+    """ContinuousBatchingConfig keywords for ``slots`` rows of up to ``max_context`` tokens: a KV cache that holds them
+    all, the user's ``given`` keywords over that, and the settings the workers need (``PAGED_REQUIRED``) last."""
+    given = dict(given or {})
+    page = given.get("page_size", PAGE_SIZE)
+    sized = {"page_size": page, "max_batch_tokens": max(256, 4 * slots)}
+    if "max_memory_percent" not in given:  # the user's share of memory sizes the cache instead
+        sized["num_blocks"] = slots * (math.ceil(max_context / page) + 1)
+    required = {key: needed for key, (needed, _) in PAGED_REQUIRED.items()}
+    return {**sized, **given, **required}
 
 
 def continuous_slots(enabled: bool, groups_per_call: int, num_generations: int) -> int:
@@ -103,22 +80,14 @@ class ContinuousRows(RowsFront):
     current_version: Callable[[], int]
     lane_id: int = 0
     pad_token_id: int = 0  # unused: the paged cache needs no padding (kept for the common interface)
+    settings: dict | None = None  # the user's ContinuousBatchingConfig keywords (GRPOConfig's)
 
     def __post_init__(self) -> None:
         from transformers import ContinuousBatchingConfig
 
         config = self.generation_config
         self.book = RowGroups(self.num_generations, config.max_new_tokens, self.lane_id)
-        blocks = self.slots * (math.ceil(self.max_context / PAGE_SIZE) + 1)
-        settings = ContinuousBatchingConfig(
-            num_blocks=blocks,
-            page_size=PAGE_SIZE,
-            max_batch_tokens=max(256, 4 * self.slots),
-            return_logprobs=True,
-            allow_block_sharing=False,  # cached prefixes would hold the KV of older weights
-            use_async_batching=False,  # a pause then sees every row's tokens as they are
-            cpu_offload_space=0.0,  # an evicted row is prefilled again (with the weights of that moment), never restored
-        )
+        settings = ContinuousBatchingConfig(**paged_settings(self.slots, self.max_context, self.settings))
         self._eos = set(self.eos_token_ids)
         self.manager = self.model.init_continuous_batching(
             generation_config=config, continuous_batching_config=settings

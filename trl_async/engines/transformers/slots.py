@@ -18,7 +18,7 @@ transformers' own continuous batching (``continuous.py``, a paged cache) is the 
 attention and scheduling cost more per decode step than they save. This loop keeps ``generate``'s model forward and
 writes each step's keys and values in place. What it does not cover, and ``continuous_engine`` sends to the paged
 engine: models whose cache is not one full attention layer type throughout (sliding windows, linear attention,
-shared KV).
+shared KV), and runs that configure the paged engine (``transformers_continuous_batching_config``).
 """
 
 from __future__ import annotations
@@ -49,10 +49,12 @@ def slot_loop_blocker(model_config: Any) -> str | None:
     return f"its cache has {', '.join(kinds)} layers" if kinds else None
 
 
-def continuous_engine(device: str | torch.device, model_config: Any) -> type:
+def continuous_engine(device: str | torch.device, model_config: Any, paged_settings: dict | None = None) -> type:
     """The continuous loop a worker runs: this slot loop on a CPU, where transformers' paged engine decodes no faster
-    than a static batch, unless the model's cache does not fit it; transformers' paged engine otherwise."""
-    if torch.device(device).type == "cpu" and slot_loop_blocker(model_config) is None:
+    than a static batch, unless the model's cache does not fit it or the user configured the paged engine
+    (``paged_settings``, GRPOConfig's ``transformers_continuous_batching_config``); transformers' paged engine
+    otherwise."""
+    if torch.device(device).type == "cpu" and not paged_settings and slot_loop_blocker(model_config) is None:
         return SlotRows
     from .continuous import ContinuousRows
 

@@ -54,6 +54,7 @@ class WorkerSpec:
     # 0 slots: static batches, one ``generate`` call per chunk
     slots: int = 0
     max_context: int = 0
+    paged_settings: dict | None = None  # ContinuousBatchingConfig keywords: transformers' paged engine on any device
 
 
 NEUTRAL_SAMPLING = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=None, typical_p=1.0, epsilon_cutoff=0.0,
@@ -360,9 +361,11 @@ def serve_continuously(model, spec: WorkerSpec, weights, tasks, results, adopt, 
     task."""
     from .slots import continuous_engine
 
-    engine = continuous_engine(spec.device, spec.model_config)
+    engine = continuous_engine(spec.device, spec.model_config, spec.paged_settings)
+    settings = {"settings": spec.paged_settings} if spec.paged_settings else {}
     rows = engine(model, spec.generation_config, spec.num_generations, spec.eos_token_ids, spec.slots,
-                  spec.max_context, version, lane_id=spec.worker_id, pad_token_id=spec.pad_token_id)  # fmt: skip
+                  spec.max_context, version, lane_id=spec.worker_id, pad_token_id=spec.pad_token_id,
+                  **settings)  # fmt: skip
     held: list[RolloutTask] = []  # received, admitted at a version newer than the one held
     try:
         while True:
