@@ -7,6 +7,12 @@ CPU worker runs) and ``ContinuousRows`` (transformers' paged continuous batching
 Completion lengths come from the model (each side samples its own), so the comparison is completion tokens per second
 (tokens kept, through each row's first EOS), plus the share of slot time spent on kept tokens.
 
+Slots are a dial, so each mode also reports what they cost: wall time per decode step (every row's next token), when
+rows come back (seconds from the start until a row is returned: mean and 90th percentile, all rows submitted at once),
+and the KV cache at its largest (static: rows x (widest prompt + longest completion) of each chunk, what ``generate``'s
+cache holds at its end; slot loop: its buffers, read after every step; paged: the cache transformers allocates up
+front). On a GPU, also the peak memory allocated beyond the weights.
+
     python benchmarks/continuous_batching.py                       # CPU: the real SmolLM2-135M-Instruct, ~6 min
     python benchmarks/continuous_batching.py --device cuda --slots 64 256 --prompts 512   # a GPU
 
@@ -46,8 +52,16 @@ def prompts(tokenizer, n: int) -> list[tuple[int, ...]]:
     ]
 
 
+def kv_bytes_per_token(model) -> int:
+    """Keys and values of one token over every layer."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * next(model.parameters()).element_size()
+
+
 def run_static(model, config, eos, pad, rows, slots) -> dict:
-    start, spans, kept = time.time(), [], 0
+    start, spans, kept, steps, returned, cache = time.time(), [], 0, 0, [], 0
     for i in range(0, len(rows), slots):
         chunk = [RolloutTask(j, j, p, 0) for j, p in enumerate(rows[i : i + slots])]
         begun = time.time()
@@ -56,29 +70,59 @@ def run_static(model, config, eos, pad, rows, slots) -> dict:
         lengths = [len(c) for g in groups for c in g.completion_ids]
         kept += sum(lengths)
         longest = max(lengths)
+        steps += longest  # generate runs until the chunk's longest row is done
+        returned += [ended - start] * len(lengths)
+        width = max(len(t.prompt_ids) for t in chunk)
+        cache = max(cache, len(chunk) * (width + longest) * kv_bytes_per_token(model))
         for n in lengths:  # a row is useful until its own last token, idle (padding) after it
             spans.append((begun, begun + (ended - begun) * n / longest))
     wall = time.time() - start
-    return {"wall_s": wall, "tokens": kept, "tokens_per_s": kept / wall, "timeline": occupancy(spans, start)}
+    return {"wall_s": wall, "tokens": kept, "tokens_per_s": kept / wall, "timeline": occupancy(spans, start),
+            "steps": steps, "returned_s": returned, "kv_cache_bytes": cache}  # fmt: skip
 
 
 ENGINES = {"slots": SlotRows, "paged": ContinuousRows}
+
+
+def counted(obj, name: str) -> list[int]:
+    """Count the calls of ``obj.name`` (a decode step of either engine): the count is the returned list's one item."""
+    calls, method = [0], getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        calls[0] += 1
+        return method(*args, **kwargs)
+
+    setattr(obj, name, wrapper)
+    return calls
+
+
+def held_bytes(engine) -> int:
+    """The KV cache the engine holds now."""
+    if isinstance(engine, SlotRows):
+        layers = engine.past.layers if engine.past is not None else []
+        return sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
+    return engine.manager.batch_processor.cache.cache_tensor.numel()  # one uint8 buffer
 
 
 def run_continuous(engine_class, model, config, eos, pad, rows, slots) -> dict:
     engine = engine_class(model, config, 1, eos, slots=slots, max_context=max(map(len, rows)) + config.max_new_tokens,
                           current_version=lambda: 0, pad_token_id=pad)  # fmt: skip
     try:
+        steps = counted(engine, "_decode") if isinstance(engine, SlotRows) else counted(engine.manager, "_generation_step")
         start = time.time()
         engine.submit([RolloutTask(j, j, p, 0) for j, p in enumerate(rows)])
-        kept = 0
+        kept, returned, cache = 0, [], 0
         while engine.busy:
-            kept += sum(len(c) for g in engine.finished(0.5) for c in g.completion_ids)
+            lengths = [len(c) for g in engine.finished(0.5) for c in g.completion_ids]
+            kept += sum(lengths)
+            returned += [time.time() - start] * len(lengths)
+            cache = max(cache, held_bytes(engine))
         wall = time.time() - start
         timeline = [(t - start, n) for t, n in engine.occupancy]
     finally:
         engine.close()
-    return {"wall_s": wall, "tokens": kept, "tokens_per_s": kept / wall, "timeline": timeline}
+    return {"wall_s": wall, "tokens": kept, "tokens_per_s": kept / wall, "timeline": timeline, "steps": steps[0],
+            "returned_s": returned, "kv_cache_bytes": cache}  # fmt: skip
 
 
 def occupancy(spans, start) -> list[tuple[float, int]]:
@@ -90,6 +134,12 @@ def occupancy(spans, start) -> list[tuple[float, int]]:
     return out
 
 
+def returned_stats(returned: list[float]) -> dict:
+    """When rows came back: the mean and the 90th percentile of their seconds from the start."""
+    ordered = sorted(returned)
+    return {"returned_mean_s": sum(ordered) / len(ordered), "returned_p90_s": ordered[int(0.9 * (len(ordered) - 1))]}
+
+
 def busy_share(timeline, slots, wall) -> float:
     """Slot time spent decoding kept tokens, over slots x wall time."""
     area = sum(n * (t1 - t0) for (t0, n), (t1, _) in zip(timeline, timeline[1:], strict=False))
@@ -99,7 +149,7 @@ def busy_share(timeline, slots, wall) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--slots", type=int, nargs="*", default=[8, 16])
+    parser.add_argument("--slots", type=int, nargs="*", default=[8, 16, 32])
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--max_new_tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
@@ -112,17 +162,26 @@ def main() -> None:
     config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=cli.max_new_tokens,
                               pad_token_id=tokenizer.pad_token_id, eos_token_id=[tokenizer.eos_token_id])  # fmt: skip
     eos, rows = [tokenizer.eos_token_id], prompts(tokenizer, cli.prompts)
-    results = []
+    results, cuda = [], cli.device.startswith("cuda")
     for slots in cli.slots:
         for mode in ("static", "slots", "paged"):  # paged last: it switches the model to paged attention
             torch.manual_seed(0)
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                weights = torch.cuda.memory_allocated()
             if mode == "static":
                 r = run_static(model, config, eos, tokenizer.pad_token_id, rows, slots)
             else:
                 r = run_continuous(ENGINES[mode], model, config, eos, tokenizer.pad_token_id, rows, slots)
-            r.update(mode=mode, slots=slots, busy_share=busy_share(r["timeline"], slots, r["wall_s"]))
+            r.update(mode=mode, slots=slots, busy_share=busy_share(r["timeline"], slots, r["wall_s"]),
+                     step_ms=1000 * r["wall_s"] / r["steps"], **returned_stats(r.pop("returned_s")))  # fmt: skip
+            if cuda:
+                r["peak_memory_bytes"] = torch.cuda.max_memory_allocated() - weights
             print(f"{mode:10s} slots {slots:3d}: {r['tokens_per_s']:7.1f} tok/s, {r['wall_s']:6.1f} s, "
-                  f"slots busy {r['busy_share']:.2f}", flush=True)  # fmt: skip
+                  f"slots busy {r['busy_share']:.2f}, {r['step_ms']:.1f} ms/step, rows back at "
+                  f"{r['returned_mean_s']:.1f} s (p90 {r['returned_p90_s']:.1f}), KV cache "
+                  f"{r['kv_cache_bytes'] / 2**20:.1f} MiB", flush=True)  # fmt: skip
             results.append(r)
         # the paged engine switched the model to paged attention: reload for the next static run
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(cli.device).eval()
@@ -146,10 +205,18 @@ def main() -> None:
          "static busy", "slot loop busy", "paged busy"],
         rows_out,
     )  # fmt: skip
+    costs = report.markdown_table(
+        ["slots (rows)", "mode", "tok/s", "ms per decode step", "rows back, mean s", "rows back, p90 s",
+         "KV cache MiB"] + (["peak beyond weights MiB"] if cuda else []),
+        [[r["slots"], r["mode"], r["tokens_per_s"], r["step_ms"], r["returned_mean_s"], r["returned_p90_s"],
+          r["kv_cache_bytes"] / 2**20] + ([r["peak_memory_bytes"] / 2**20] if cuda else []) for r in results],
+    )  # fmt: skip
     command = "python benchmarks/continuous_batching.py" + ("" if cli.device == "cpu" else f" --device {cli.device}")
     report.update_readme(name, f"`{command}` (SmolLM2-135M-Instruct, {cli.prompts} arithmetic prompts, sampled "
                          f"at temperature 1, up to {cli.max_new_tokens} tokens, {device}, {cli.threads} threads)\n\n"
-                         f"{table}\n\n![rows decoding over time](results/{name}.png)")  # fmt: skip
+                         f"{table}\n\nWhat the slots cost: wall time per decode step, when rows come back (all "
+                         "submitted at once), and the KV cache at its largest.\n\n"
+                         f"{costs}\n\n![rows decoding over time](results/{name}.png)")  # fmt: skip
 
 
 def plot(results, path) -> None:
