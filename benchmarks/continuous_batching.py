@@ -26,6 +26,7 @@ import argparse
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -134,6 +135,14 @@ def occupancy(spans, start) -> list[tuple[float, int]]:
     return out
 
 
+def value(r: dict, key: str):
+    return r.get(key, "failed")
+
+
+def ratio(r: dict, baseline: dict):
+    return r["tokens_per_s"] / baseline["tokens_per_s"] if "error" not in r and "error" not in baseline else "failed"
+
+
 def returned_stats(returned: list[float]) -> dict:
     """When rows came back: the mean and the 90th percentile of their seconds from the start."""
     ordered = sorted(returned)
@@ -153,11 +162,13 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--max_new_tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", help="the model's dtype (default: float32 on a CPU, bfloat16 on a GPU)")
     cli = parser.parse_args()
+    dtype = getattr(torch, cli.dtype or ("float32" if cli.device == "cpu" else "bfloat16"))
     torch.set_num_threads(cli.threads)
     path = smollm2_135m_instruct()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(cli.device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(cli.device).eval()
     model.generation_config.use_cache = True
     config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=cli.max_new_tokens,
                               pad_token_id=tokenizer.pad_token_id, eos_token_id=[tokenizer.eos_token_id])  # fmt: skip
@@ -170,10 +181,15 @@ def main() -> None:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 weights = torch.cuda.memory_allocated()
-            if mode == "static":
-                r = run_static(model, config, eos, tokenizer.pad_token_id, rows, slots)
-            else:
-                r = run_continuous(ENGINES[mode], model, config, eos, tokenizer.pad_token_id, rows, slots)
+            try:
+                if mode == "static":
+                    r = run_static(model, config, eos, tokenizer.pad_token_id, rows, slots)
+                else:
+                    r = run_continuous(ENGINES[mode], model, config, eos, tokenizer.pad_token_id, rows, slots)
+            except Exception as exc:  # noqa: BLE001 - one engine failing on a device still leaves the others' numbers
+                traceback.print_exc()
+                results.append({"mode": mode, "slots": slots, "error": f"{type(exc).__name__}: {exc}"})
+                continue
             r.update(mode=mode, slots=slots, busy_share=busy_share(r["timeline"], slots, r["wall_s"]),
                      step_ms=1000 * r["wall_s"] / r["steps"], **returned_stats(r.pop("returned_s")))  # fmt: skip
             if cuda:
@@ -184,12 +200,12 @@ def main() -> None:
                   f"{r['kv_cache_bytes'] / 2**20:.1f} MiB", flush=True)  # fmt: skip
             results.append(r)
         # the paged engine switched the model to paged attention: reload for the next static run
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(cli.device).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(cli.device).eval()
         model.generation_config.use_cache = True
     name = "continuous_batching" + ("" if cli.device == "cpu" else f"_{cli.device.split(':')[0]}")
     device = torch.cuda.get_device_name() if cli.device.startswith("cuda") else "cpu"
     report.write_json(name, {"device": device, "prompts": cli.prompts, "max_new_tokens": cli.max_new_tokens,
-                             "threads": cli.threads, "transformers": __import__("transformers").__version__,
+                             "threads": cli.threads, "dtype": str(dtype), "transformers": __import__("transformers").__version__,
                              "results": results})  # fmt: skip
     plot(results, report.png_path(name))
     rows_out = []
@@ -197,26 +213,32 @@ def main() -> None:
         static, loop, paged = (
             next(r for r in results if r["slots"] == slots and r["mode"] == m) for m in ("static", "slots", "paged")
         )
-        rows_out.append([slots, static["tokens_per_s"], loop["tokens_per_s"], paged["tokens_per_s"],
-                         loop["tokens_per_s"] / static["tokens_per_s"], paged["tokens_per_s"] / static["tokens_per_s"],
-                         static["busy_share"], loop["busy_share"], paged["busy_share"]])  # fmt: skip
+        rows_out.append([slots, *(value(r, "tokens_per_s") for r in (static, loop, paged)),
+                         ratio(loop, static), ratio(paged, static),
+                         *(value(r, "busy_share") for r in (static, loop, paged))])  # fmt: skip
     table = report.markdown_table(
         ["slots (rows)", "static tok/s", "slot loop tok/s", "paged tok/s", "slot loop / static", "paged / static",
          "static busy", "slot loop busy", "paged busy"],
         rows_out,
     )  # fmt: skip
+    keys = ["tokens_per_s", "step_ms", "returned_mean_s", "returned_p90_s", "kv_cache_mib"]
+    keys += ["peak_memory_mib"] if cuda else []
+    for r in results:
+        for key in ("kv_cache", "peak_memory"):
+            if f"{key}_bytes" in r:
+                r[f"{key}_mib"] = r[f"{key}_bytes"] / 2**20
     costs = report.markdown_table(
         ["slots (rows)", "mode", "tok/s", "ms per decode step", "rows back, mean s", "rows back, p90 s",
          "KV cache MiB"] + (["peak beyond weights MiB"] if cuda else []),
-        [[r["slots"], r["mode"], r["tokens_per_s"], r["step_ms"], r["returned_mean_s"], r["returned_p90_s"],
-          r["kv_cache_bytes"] / 2**20] + ([r["peak_memory_bytes"] / 2**20] if cuda else []) for r in results],
+        [[r["slots"], r["mode"], *(value(r, key) for key in keys)] for r in results],
     )  # fmt: skip
+    failed = "".join(f"\n\n{r['mode']} at {r['slots']} slots failed: `{r['error']}`" for r in results if "error" in r)
     command = "python benchmarks/continuous_batching.py" + ("" if cli.device == "cpu" else f" --device {cli.device}")
     report.update_readme(name, f"`{command}` (SmolLM2-135M-Instruct, {cli.prompts} arithmetic prompts, sampled "
-                         f"at temperature 1, up to {cli.max_new_tokens} tokens, {device}, {cli.threads} threads)\n\n"
+                         f"at temperature 1, up to {cli.max_new_tokens} tokens, {device}, {str(dtype)[6:]}, {cli.threads} threads)\n\n"
                          f"{table}\n\nWhat the slots cost: wall time per decode step, when rows come back (all "
                          "submitted at once), and the KV cache at its largest.\n\n"
-                         f"{costs}\n\n![rows decoding over time](results/{name}.png)")  # fmt: skip
+                         f"{costs}{failed}\n\n![rows decoding over time](results/{name}.png)")  # fmt: skip
 
 
 def plot(results, path) -> None:
@@ -228,7 +250,7 @@ def plot(results, path) -> None:
     slots = sorted({r["slots"] for r in results})
     fig, axes = plt.subplots(len(slots), 1, figsize=(8, 2.6 * len(slots)), squeeze=False)
     for ax, n in zip(axes[:, 0], slots, strict=True):
-        for r in (r for r in results if r["slots"] == n):
+        for r in (r for r in results if r["slots"] == n and "error" not in r):
             t, k = zip(*r["timeline"], strict=True) if r["timeline"] else ((), ())
             ax.step(t, k, where="post", label=f"{r['mode']} ({r['tokens_per_s']:.0f} tok/s)")
         ax.set_title(f"{n} slots")
