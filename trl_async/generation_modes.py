@@ -79,18 +79,33 @@ PAGED_REQUIRED = {
 }
 
 
-def continuous_blocker(config) -> str | None:
+# the history-reading processors the slot loop applies itself (per row), as the trainer rebuilds them
+SLOT_LOOP_APPLIES = ("repetition_penalty", "min_new_tokens")
+
+
+def continuous_blocker(config, slot_loop: bool = False) -> str | None:
     """Why continuous batching cannot sample exactly what ``generate`` would with ``config`` (a GenerationConfig), or
-    ``None``."""
+    ``None``. ``slot_loop``: the engine is the CPU slot loop, which applies ``SLOT_LOOP_APPLIES``; transformers' paged
+    engine applies none of ``HISTORY_FIELDS``."""
     if (getattr(config, "num_beams", 1) or 1) > 1:
         return f"num_beams={config.num_beams} is beam search"
     for name, neutral in HISTORY_FIELDS.items():
         value = getattr(config, name, neutral)
-        if value not in (neutral, None) and not (name == "min_new_tokens" and value == 0):
+        if value in (neutral, None) or (name == "min_new_tokens" and value == 0):
+            continue
+        if slot_loop and name in SLOT_LOOP_APPLIES:
+            continue
+        if name in SLOT_LOOP_APPLIES:
             return (
-                f"{name}={value!r} is a processor continuous batching does not apply (most read each row's "
-                "history, which its processors do not see)"
+                f"{name}={value!r} is a processor transformers' paged engine does not apply (it reads each row's "
+                "history, which its processors do not see). The slot loop of a CPU worker applies it; the paged "
+                "engine serves GPU workers, models whose cache is not full attention throughout, and runs that set "
+                "transformers_continuous_batching_config"
             )
+        return (
+            f"{name}={value!r} is a processor continuous batching does not apply (most read each row's "
+            "history, which its processors do not see)"
+        )
     return None
 
 

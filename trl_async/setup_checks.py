@@ -15,6 +15,7 @@ from torch import nn
 from transformers.utils import logging
 from trl.data_utils import is_conversational
 
+from .engines.transformers.slots import SlotRows, continuous_engine
 from .generation_modes import continuous_blocker, refused_generation, refused_paged_settings
 from .precision import emulated_precision_warning
 
@@ -123,7 +124,10 @@ def check_after_loading(trainer) -> None:
         if refused is not None:
             raise ValueError(f"GRPOConfig.generation_kwargs={trainer.args.generation_kwargs!r} is invalid: {refused}")
         if trainer.args.use_transformers_continuous_batching:
-            blocker = continuous_blocker(trainer.generation_config)
+            base = trainer.accelerator.unwrap_model(trainer.model)
+            engine = continuous_engine(trainer.async_args.rollout_device or "cpu", base.config,
+                                       trainer.args.transformers_continuous_batching_config)  # fmt: skip
+            blocker = continuous_blocker(trainer.generation_config, slot_loop=engine is SlotRows)
             if blocker is not None:
                 raise ValueError(
                     f"GRPOConfig.use_transformers_continuous_batching=True is invalid with this sampler: {blocker}. "

@@ -14,6 +14,7 @@ from trl_async.demo.tiny import build_char_tokenizer, build_tiny_model
 from trl_async.engines.transformers.continuous import ContinuousRows
 from trl_async.engines.transformers.slots import SlotRows
 from trl_async.records import RolloutTask
+from trl_async.sampling import processed_logps, processors, settings_of
 
 from ..conftest import async_args, letter_reward, text_dataset
 from .test_worker import TEMPERATURE, TOP_K, _teacher_forced_logps
@@ -137,6 +138,54 @@ def test_weights_swapped_between_decode_steps_give_each_token_its_versions_distr
     assert checked == 4 * 120
 
 
+def test_the_slot_loop_applies_the_repetition_penalty_and_min_new_tokens_per_row_as_the_trainer_rebuilds_them():
+    """Each row's penalty reads its own context (never the padding of a narrower row, nor a free slot's columns), and
+    min_new_tokens counts its own tokens: rows join mid-batch with contexts of different widths, and weights swap
+    between two steps. Every token's mu must equal the trainer's rebuild (``processed_logps``) from a teacher-forced
+    forward of the token's version."""
+    tok, model, config = _setup(max_new_tokens=12)
+    config.repetition_penalty, config.min_new_tokens = 1.8, 4
+    weights = {0: {k: v.clone() for k, v in model.state_dict().items()}, 1: build_tiny_model(tok, seed=1).state_dict()}
+    state = {"v": 0}
+
+    def adopt():
+        model.load_state_dict(weights[1])
+        state["v"] = 1
+
+    eos = config.eos_token_id
+    # padding with a token the rows could sample ("a"; the pad token's own logit is 0, which a penalty leaves alone)
+    rows = SlotRows(model, config, 3, eos, slots=4, max_context=0, current_version=lambda: state["v"],
+                    pad_token_id=tok("a")["input_ids"][0])  # fmt: skip
+    prompts = [tuple(tok(text)["input_ids"]) for text in ("ab 1+2=", "z", "q 7 c 5 d 9 e")]
+    torch.manual_seed(2)
+    rows.submit([RolloutTask(i, i, p, 0) for i, p in enumerate(prompts)])
+    groups = []
+    for _ in range(6):
+        groups += rows.finished()
+    rows.swap(adopt)
+    groups += _run(rows)
+    settings = settings_of("transformers", config.to_dict())
+    chain = processors(settings)
+    assert settings.repetition_penalty == 1.8 and settings.min_new_tokens == 4 and settings.stop_ids == tuple(eos)
+    checked, repeats = 0, 0
+    for group in groups:
+        for completion, logps, versions in zip(group.completion_ids, group.logprobs, group.versions, strict=True):
+            assert len(completion) >= 4 and all(t not in eos for t in completion[:4])  # no stop before 4 tokens
+            for version in set(versions):
+                model.load_state_dict(weights[version])
+                ids = torch.tensor([list(group.prompt_ids) + list(completion)])
+                with torch.no_grad():
+                    logits = model(input_ids=ids).logits[0, len(group.prompt_ids) - 1 : -1]
+                expected = processed_logps(logits, torch.tensor(group.prompt_ids), torch.tensor(completion), chain,
+                                           settings)  # fmt: skip
+                mine = [i for i, v in enumerate(versions) if v == version]
+                torch.testing.assert_close(torch.tensor(logps)[mine], expected[mine], atol=1e-5, rtol=0)
+                checked += len(mine)
+            repeats += len(completion) - len(set(completion))
+    assert checked == sum(len(c) for g in groups for c in g.completion_ids) >= 9 * 4
+    assert {v for g in groups for vs in g.versions for v in vs} == {0, 1} and repeats > 0  # the penalty had work
+
+
 def test_a_row_finished_before_a_swap_but_not_yet_collected_keeps_the_old_version():
     tok, model, config = _setup(max_new_tokens=3, eos=False)
     state = {"v": 0}
@@ -165,9 +214,34 @@ def test_a_row_finished_before_a_swap_but_not_yet_collected_keeps_the_old_versio
         )
 
 
+def test_a_trainer_with_a_repetition_penalty_and_min_new_tokens_batches_continuously_on_a_cpu(
+    tmp_path, tiny_model_dir
+):
+    args = async_args(tmp_path, max_steps=2, use_transformers_continuous_batching=True, repetition_penalty=1.3,
+                      generation_kwargs={"min_new_tokens": 3})  # fmt: skip
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir, reward_funcs=letter_reward, args=args, train_dataset=text_dataset()
+    )
+    trainer.train()
+    assert all(spec.slots > 0 for spec in trainer.last_rollout_pool.backend.specs)
+    logs = [h for h in trainer.state.log_history if "completions/min_length" in h]
+    assert len(logs) == 2 and min(h["completions/min_length"] for h in logs) >= 3
+
+
 def test_a_sampler_continuous_batching_cannot_reproduce_is_refused_at_construction(tmp_path, tiny_model_dir):
-    args = async_args(tmp_path, use_transformers_continuous_batching=True, repetition_penalty=1.1)
-    with pytest.raises(ValueError, match=r"use_transformers_continuous_batching=True is invalid.*repetition_pen"):
+    # the slot loop applies a repetition penalty, transformers' paged engine (configured here) does not
+    paged = dict(transformers_continuous_batching_config={"scheduler_type": "fifo"})
+    args = async_args(tmp_path, use_transformers_continuous_batching=True, repetition_penalty=1.1, **paged)
+    with pytest.raises(
+        ValueError, match=r"use_transformers_continuous_batching=True is invalid.*repetition_pen.*paged"
+    ):
+        AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=letter_reward, args=args, train_dataset=text_dataset())
+    # neither applies a no-repeat n-gram ban (which the ratio does not rebuild either: off here)
+    args = async_args(tmp_path, use_transformers_continuous_batching=True, generation_kwargs={"no_repeat_ngram_size": 2},
+                      off_policy_correction="none")  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"use_transformers_continuous_batching=True is invalid.*no_repeat_ngram_size"
+    ):
         AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=letter_reward, args=args, train_dataset=text_dataset())
 
 

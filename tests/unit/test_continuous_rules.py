@@ -21,6 +21,12 @@ def test_samplers_that_read_a_rows_history_or_search_beams_keep_static_batches()
     assert "no_repeat_ngram_size=2" in continuous_blocker(GenerationConfig(no_repeat_ngram_size=2))
     assert "beam search" in continuous_blocker(GenerationConfig(num_beams=2))
     assert continuous_blocker(GenerationConfig(min_new_tokens=0)) is None
+    # the slot loop applies the repetition penalty and min_new_tokens per row; the paged engine neither
+    penalised = GenerationConfig(do_sample=True, repetition_penalty=1.2, min_new_tokens=3)
+    assert continuous_blocker(penalised, slot_loop=True) is None
+    assert "paged engine does not apply" in continuous_blocker(penalised)
+    assert "no_repeat_ngram_size=2" in continuous_blocker(GenerationConfig(no_repeat_ngram_size=2), slot_loop=True)
+    assert "beam search" in continuous_blocker(GenerationConfig(num_beams=2), slot_loop=True)
 
 
 def test_the_users_paged_engine_settings_are_taken_unless_they_would_break_mu_or_the_swap():

@@ -66,7 +66,8 @@ FROM_TRL = (
         "new weights are adopted between decode steps (unless `rollout_weight_update='batch'`), the rows in flight "
         "re-encoded so every token comes from one version. `rollout_batch_groups * num_generations` rows decode at "
         "once per worker. A CPU worker runs a slot loop on one KV cache, a GPU worker transformers' paged engine. "
-        "Refused with samplers that read a row's history (`repetition_penalty`, `min_new_tokens`) and beam search. "
+        "The slot loop applies `repetition_penalty` and `min_new_tokens` per row; the paged engine does not, and "
+        "neither applies beam search or the other processors that read a row's history (refused at construction). "
         "Worth it where completion lengths differ (`benchmarks/continuous_batching.py`)",
     ),
     (

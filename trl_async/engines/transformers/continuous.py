@@ -17,7 +17,8 @@ between decode steps). This module adds what a rollout worker needs on top of it
 What transformers' continuous batching lacks, and the static path (``generate_groups``) keeps: processors that read
 a row's history (``repetition_penalty``, ``min_new_tokens``, ``no_repeat_ngram_size``, ...; its processors see only
 the current token) and beam search. ``generation_modes.continuous_blocker`` names them, and the trainer's
-construction refuses them with continuous batching on.
+construction refuses them with continuous batching on. The slot loop (``slots.py``) applies the repetition penalty
+and ``min_new_tokens`` itself.
 """
 
 from __future__ import annotations

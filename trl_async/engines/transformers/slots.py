@@ -11,8 +11,10 @@ steps in time, each row left-padded. Between two decode steps:
 - **New weights** (``swap``) are followed by a prefill of every row's tokens so far with them: a token sampled after a
   swap saw only the new weights, as a vLLM server recomputes its KV after a push.
 
-Each token's behaviour log-prob is taken from the scores it was sampled from, after the same warpers the trainer
-rebuilds (``sampling.processors``), and each token records the version of the forward that produced its logits.
+Each token's behaviour log-prob is taken from the scores it was sampled from, after the same processors the trainer
+rebuilds (``sampling.processed_logps``): the stop tokens held back before ``min_new_tokens`` (counted per row), the
+repetition penalty over the row's own context (never its padding), then the warpers. Each token records the version
+of the forward that produced its logits.
 
 transformers' own continuous batching (``continuous.py``, a paged cache) is the engine on a GPU. On a CPU its paged
 attention and scheduling cost more per decode step than they save. This loop keeps ``generate``'s model forward and
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 
 from ...records import RolloutGroup, RolloutTask
+from ...sampling import SamplingSettings, processors, settings_of
 from .row_groups import RowGroups, RowsFront, WaitingRow
 from .slot_cache import ROOM, columns_cache, first_used, left_pad, positions, relaid
 from .worker import left_padded, split_sampling_warpers
@@ -99,6 +102,12 @@ class SlotRows(RowsFront):
         self.device = next(self.model.parameters()).device
         _, self.warpers = split_sampling_warpers(self.generation_config, self.device)
         self.do_sample = bool(self.generation_config.do_sample)
+        sampler = settings_of("transformers", self.generation_config.to_dict())
+        if not self.do_sample and sampler.repetition_penalty != 1.0:  # greedy: generate applies the penalty alone
+            only = SamplingSettings("transformers", repetition_penalty=sampler.repetition_penalty)
+            self.warpers = processors(only, self.device)
+        self.penalised = sampler.repetition_penalty != 1.0  # the warpers read each row's context
+        self.min_new_tokens, self.stop_ids = sampler.min_new_tokens, list(sampler.stop_ids)
         # the cache's keyword: ``cache`` from transformers 5.25 on, ``past_key_values`` before
         self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.eos = set(self.eos_token_ids)
@@ -177,14 +186,15 @@ class SlotRows(RowsFront):
         live = self.live  # (free slots decode too: no other row attends to them, and they are never sampled)
         self.ids, self.mask = torch.cat([self.ids, self.last[:, None]], dim=1), mask
         index = torch.tensor(live, dtype=torch.long, device=self.device)
-        self.last[index] = self._sample(logits[index], [self.rows[i] for i in live])
+        seen = (self.ids[index], self.mask[index]) if self.penalised else None
+        self.last[index] = self._sample(logits[index], [self.rows[i] for i in live], seen)
 
     def _prefill_rows(self, joining: list[WaitingRow]) -> _Joining:
         """The joining rows' contexts, left-padded among themselves and prefilled; their first token sampled."""
         ids, mask = (t.to(self.device) for t in left_padded([r.ids for r in joining], self.pad_token_id))
         logits, past = self._prefill(ids, mask)
         rows = [_Row(r.request, r.budget) for r in joining]
-        first = self._sample(logits, rows)
+        first = self._sample(logits, rows, (ids, mask) if self.penalised else None)
         return _Joining(rows, ids, mask, first, [(layer.keys, layer.values) for layer in past.layers])
 
     def _place(self, joining: _Joining) -> None:
@@ -226,9 +236,20 @@ class SlotRows(RowsFront):
         self.mask = torch.cat([left_pad(mask[:, start:], width, 1), pad])
         self.last = torch.cat([self.last[index], pad[:, 0] + self.pad_token_id])
 
-    def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
-        """Sample each row's next token from the processed scores; record it with its log-prob and version."""
-        scores = self.warpers(None, logits.float())
+    def _sample(self, logits: torch.Tensor, rows: list[_Row], seen=None) -> torch.Tensor:
+        """Sample each row's next token from the processed scores; record it with its log-prob and version. ``seen``:
+        ``(ids, mask)`` of what each row has seen, for the repetition penalty."""
+        scores = logits.float()
+        if self.min_new_tokens and self.stop_ids:
+            early = torch.tensor([len(row.tokens) < self.min_new_tokens for row in rows], device=self.device)
+            stop = torch.zeros(scores.size(-1), dtype=torch.bool, device=self.device)
+            stop[[i for i in self.stop_ids if i < scores.size(-1)]] = True
+            scores = scores.masked_fill(early[:, None] & stop[None, :], -torch.inf)
+        history = None
+        if seen is not None:  # padding and free columns: an id past the vocabulary, which the penalty skips
+            ids, mask = seen
+            history = torch.where(mask.bool(), ids, torch.full_like(ids, scores.size(-1)))
+        scores = self.warpers(history, scores)
         logprobs = torch.log_softmax(scores, dim=-1)
         if self.do_sample:
             tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
