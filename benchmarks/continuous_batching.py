@@ -109,7 +109,9 @@ def run_continuous(engine_class, model, config, eos, pad, rows, slots) -> dict:
     engine = engine_class(model, config, 1, eos, slots=slots, max_context=max(map(len, rows)) + config.max_new_tokens,
                           current_version=lambda: 0, pad_token_id=pad)  # fmt: skip
     try:
-        steps = counted(engine, "_decode") if isinstance(engine, SlotRows) else counted(engine.manager, "_generation_step")
+        steps = (
+            counted(engine, "_decode") if isinstance(engine, SlotRows) else counted(engine.manager, "_generation_step")
+        )
         start = time.time()
         engine.submit([RolloutTask(j, j, p, 0) for j, p in enumerate(rows)])
         kept, returned, cache = 0, [], 0

@@ -15,6 +15,9 @@
 # For the benchmark: call 2 carries .gpu/b and .gpu/m1, call 3 .gpu/c and .gpu/m2 with `... install c` only, and
 # call 4 .gpu/m3 with `bash benchmarks/gpu_device.sh bench "sync_server async_s1 async_s2"` (a fifth call, or the next
 # session, `bench "sync_colocate async_colocate"`: the results file is merged).
+# For continuous batching (benchmarks/continuous_batching.py, no vLLM): call 1 carries .gpu/b and .gpu/m1 with
+# `bash benchmarks/gpu_device.sh install b`, call 2 .gpu/m2 with `bash benchmarks/gpu_device.sh`, and call 3 .gpu/m3
+# with `bash benchmarks/gpu_device.sh continuous` (its json, plot and table come back in $OUT).
 # vLLM 0.32 pins torch 2.13; on the image's torch 2.11 it runs with --no-deps because its compiled kernels use only
 # torch's stable C ABI: every aoti_torch_*/torch_* symbol they import is exported by torch 2.11 (checked with nm
 # on 2026-12-04). vLLM 0.26, the last release pinned to torch 2.11, has another weight-transfer API.
