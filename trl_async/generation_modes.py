@@ -116,6 +116,9 @@ def refused_paged_settings(settings: dict | None) -> str | None:
         return None
     if not isinstance(settings, dict):
         return f"give a dict of ContinuousBatchingConfig keyword arguments, not {type(settings).__name__}"
+    for key in ("page_size", "block_size"):
+        if key in settings and not (type(settings[key]) is int and settings[key] >= 1):
+            return f"{key}={settings[key]!r}: give a whole number of tokens per KV-cache page, 1 or more"
     for key, (needed, why) in PAGED_REQUIRED.items():
         if key in settings and settings[key] != needed:
             return f"{key}={settings[key]!r} cannot be used: {why}. Remove {key!r} (the workers set {needed!r})"

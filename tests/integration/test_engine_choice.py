@@ -54,6 +54,11 @@ def test_the_config_resolves_trls_fields_and_grpo_trainer_sees_no_vllm_of_its_ow
     settings = async_fields_of(plain)
     assert (settings.rollout_backend, settings.vllm_colocate) == ("vllm", True)
     assert for_grpo_trainer(GRPOConfig(**base)).use_vllm is False
+    # with vLLM, GRPOTrainer ignores its continuous batching switch, evaluation included; without, it keeps it
+    batching = dict(use_transformers_continuous_batching=True, **base)
+    served = for_grpo_trainer(GRPOConfig(use_vllm=True, vllm_mode="server", **batching))
+    assert served.use_transformers_continuous_batching is False
+    assert for_grpo_trainer(GRPOConfig(**batching)).use_transformers_continuous_batching is True
     with pytest.raises(ValueError, match="AsyncGRPOConfig.rollout_backend='transformers' contradicts"):
         AsyncGRPOConfig(use_vllm=True, rollout_backend="transformers", **base)
 

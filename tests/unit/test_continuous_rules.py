@@ -38,6 +38,7 @@ def test_the_users_paged_engine_settings_are_taken_unless_they_would_break_mu_or
     assert "cpu_offload_space=2.0" in refused_paged_settings({"cpu_offload_space": 2.0})
     assert refused_paged_settings({"return_logprobs": True}) is None  # what the workers set anyway
     assert "ContinuousBatchingConfig refuses it" in refused_paged_settings({"max_batch_tokenz": 8})
+    assert "page_size=0: give a whole number" in refused_paged_settings({"page_size": 0})
 
 
 def test_the_paged_cache_holds_every_slot_unless_the_user_sizes_it():
@@ -52,8 +53,11 @@ def test_the_paged_cache_holds_every_slot_unless_the_user_sizes_it():
         cpu_offload_space=0.0,
     )
     assert paged_settings(4, 100, {"page_size": 64})["num_blocks"] == 4 * (2 + 1)
-    assert "num_blocks" not in paged_settings(4, 100, {"max_memory_percent": 0.3})
-    assert paged_settings(4, 100, {"num_blocks": 7, "scheduler_type": "prefill_first"})["num_blocks"] == 7
+    assert paged_settings(4, 100, {"block_size": 64})["num_blocks"] == 4 * (2 + 1)  # page_size's older name
+    # the user sizes the cache: in transformers' own pages (its default page_size), not the workers' 32
+    assert {"num_blocks", "page_size"}.isdisjoint(paged_settings(4, 100, {"max_memory_percent": 0.3}))
+    user = paged_settings(4, 100, {"num_blocks": 7, "scheduler_type": "prefill_first"})
+    assert user["num_blocks"] == 7 and "page_size" not in user
     assert paged_settings(4, 100, {"return_logprobs": True})["return_logprobs"] is True
 
 

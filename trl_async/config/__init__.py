@@ -87,6 +87,7 @@ def for_grpo_trainer(args):
         return args
     parent = copy.copy(args)
     parent.use_vllm = False
+    parent.use_transformers_continuous_batching = False  # with vLLM GRPOTrainer ignores it, evaluation included
     return parent
 
 

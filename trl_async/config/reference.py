@@ -72,8 +72,9 @@ FROM_TRL = (
     ),
     (
         "transformers_continuous_batching_config",
-        "with continuous batching on, the workers run transformers' paged engine with these settings, on a CPU "
-        "too; its KV cache is sized for the rows unless the dict sets `num_blocks` or `max_memory_percent`. "
+        "with continuous batching on, a non-empty dict makes the workers run transformers' paged engine with "
+        "these settings, on a CPU too; its KV cache is sized for the rows (32-token pages) unless the dict sets "
+        "`num_blocks` or `max_memory_percent` (transformers' own pages then). "
         "`return_logprobs`, `allow_block_sharing`, `use_async_batching` and `cpu_offload_space` are the workers' "
         "to set (refused if given otherwise)",
     ),

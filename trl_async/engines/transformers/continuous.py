@@ -39,13 +39,14 @@ PAGE_SIZE = 32  # tokens per KV-cache block, unless the user's settings give pag
 
 
 def paged_settings(slots: int, max_context: int, given: dict | None = None) -> dict:
-    """ContinuousBatchingConfig keywords for ``slots`` rows of up to ``max_context`` tokens: a KV cache that holds them
-    all, the user's ``given`` keywords over that, and the settings the workers need (``PAGED_REQUIRED``) last."""
+    """ContinuousBatchingConfig keywords for ``slots`` rows of up to ``max_context`` tokens: the user's ``given``
+    keywords; a KV cache that holds every row unless they size it (``num_blocks`` or ``max_memory_percent``, in
+    transformers' own pages then); and the settings the workers need (``PAGED_REQUIRED``) last."""
     given = dict(given or {})
-    page = given.get("page_size", PAGE_SIZE)
-    sized = {"page_size": page, "max_batch_tokens": max(256, 4 * slots)}
-    if "max_memory_percent" not in given:  # the user's share of memory sizes the cache instead
-        sized["num_blocks"] = slots * (math.ceil(max_context / page) + 1)
+    sized = {"max_batch_tokens": max(256, 4 * slots)}
+    if "num_blocks" not in given and "max_memory_percent" not in given:
+        page = given.get("page_size") or given.get("block_size") or PAGE_SIZE  # (block_size: its older name)
+        sized.update(page_size=page, num_blocks=slots * (math.ceil(max_context / page) + 1))
     required = {key: needed for key, (needed, _) in PAGED_REQUIRED.items()}
     return {**sized, **given, **required}
 
