@@ -298,7 +298,7 @@ def configs(regime: Regime, quick: bool) -> list[dict]:
     if regime.agentic:  # episodes wait seconds for their tool: room for several steps of staleness
         stalenesses = [2, 4, 8]
     out += [dict(kind="async", staleness=s) for s in stalenesses]
-    if not regime.forced and not regime.agentic:  # lengths that differ: continuous batching has rows to refill
+    if not regime.agentic:  # lengths that differ: rows to refill; forced lengths: a cheaper decode step only
         out += [dict(kind="async", staleness=s, continuous=True) for s in stalenesses]
     if regime.agentic:  # consumption in admission order: strict, and within one batch (4 groups)
         out += [dict(kind="async", staleness=s, consumption_window=w) for s, w in ((2, 1), (8, 1), (8, 4))]
