@@ -126,8 +126,8 @@ class AsyncFields(ResolvedDefaults):
         default=None,
         metadata={
             "help": "Rollout batch size: prompt groups a worker generates at once (one `generate` call; with "
-            "use_transformers_continuous_batching, its rows decoding at once). Default: one generation batch split evenly "
-            "over the workers."
+            "use_transformers_continuous_batching, its rows decoding at once). Default: one generation batch split "
+            "evenly over the workers."
         },
     )
     weight_sync_steps: int = field(
