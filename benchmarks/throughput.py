@@ -10,7 +10,10 @@ weight-sync share. Outside the steady state: start-up (``train()`` called to the
 the first generation) and end to end (trainer construction to the end of ``train()``, warm-up steps included).
 
 Equal work: each side samples its own completion lengths (``long_tail``), so the comparison that holds whatever the
-lengths is tokens per second ("tokens/s vs best sync"); steps per second is reported beside it.
+lengths is tokens per second ("tokens/s vs best sync"); steps per second is reported beside it. ``long_tail`` trains
+with a learning rate of 0: the optimizer still steps and the weights are still pushed, but every run samples from the
+same length distribution. With a learning rate, each run's lengths follow its own learning trajectory (the vowel
+reward lengthens completions), and tokens/s would compare trajectories rather than schedules.
 
 Sync baselines: TRL's GRPOTrainer in one process with 1 or 2 torch threads, and 2-process DDP under ``accelerate
 launch`` (gloo, 1 thread per rank, half the batch per rank); the best of them is "best sync".
@@ -77,6 +80,7 @@ class Regime:
     agentic: bool = False  # multi-turn episodes with a slow tool (agentic_task.py): its own model, data and batch
     repeats: int = 0  # interleaved repeats (seeds) for this regime; 0: the command's default
     steps: tuple[int, int] | None = None  # (measured, warm-up) steps for this regime; None: the command's
+    learning_rate: float = 1e-5  # 0: the policy held still, so its sampled lengths are the same in every run
 
 
 REGIMES = [
@@ -91,6 +95,8 @@ REGIMES = [
         completion=96,
         forced=False,
         eos_scale=-2.0,
+        learning_rate=0.0,
+        repeats=3,
     ),  # fmt: skip
     Regime(
         "gen_bound",
@@ -100,6 +106,7 @@ REGIMES = [
         completion=128,
         workers=2,
         batch_groups=4,
+        steps=(40, 5),  # steps of ~0.2 s: 12 of them would measure start-up jitter more than the schedule
     ),  # fmt: skip
     Regime(
         "agentic",
@@ -187,6 +194,21 @@ def _overlap(intervals, lo: float, hi: float) -> float:
     return sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in intervals)
 
 
+def busy_share(calls, lo: float, hi: float, workers: int) -> float:
+    """The workers' busy share of the window (lo, hi): each lane's (lane, start, end) spans merged before they are
+    measured, since a continuously batching worker reports one span per group and its groups overlap in its slots."""
+    busy = 0.0
+    for lane in {w for w, _, _ in calls}:
+        merged: list[list[float]] = []
+        for s, e in sorted((s, e) for w, s, e in calls if w == lane):
+            if merged and s <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], e)
+            else:
+                merged.append([s, e])
+        busy += _overlap(merged, lo, hi)
+    return busy / ((hi - lo) * workers)
+
+
 def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, seed: int = 0,
             threads: int = 1, staleness: int = 0, task=None, scoring_threads: int = 1, processes: int = 1,
             consumption_window: int | None = None, continuous: bool = False) -> dict:  # fmt: skip
@@ -199,7 +221,8 @@ def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, 
     constructed = time.time()
     common = dict(
         output_dir=tempfile.mkdtemp(prefix="tp_"), max_steps=warmup + steps, per_device_train_batch_size=BATCH // processes,
-        num_generations=GROUP, max_completion_length=regime.completion, temperature=1.0, learning_rate=1e-5,
+        num_generations=GROUP, max_completion_length=regime.completion, temperature=1.0,
+        learning_rate=regime.learning_rate,
         beta=0.0, logging_steps=1, report_to=[], bf16=False, use_cpu=True, save_strategy="no", seed=seed,
         disable_tqdm=True, gradient_checkpointing=False,
         generation_kwargs={"min_new_tokens": regime.completion} if regime.forced else None,
@@ -270,7 +293,7 @@ def run_one(regime: Regime, model_dir: str, kind: str, steps: int, warmup: int, 
         row.update(
             startup_s=waits[0][1] - started,  # the first take() returned: the first batch is ready
             trainer_busy=(wall - wait) / wall,
-            worker_busy=_overlap([(s, e) for _, s, e in calls], lo, hi) / (wall * regime.workers),
+            worker_busy=busy_share(calls, lo, hi, regime.workers),
             sync_share=sum(syncs) / wall,
             # simulator inputs, measured in this run
             gen_calls_s=[e - s for _, s, e in calls],
@@ -327,6 +350,18 @@ def label(r: dict) -> str:
     window = f", window {r['consumption_window']}" if r.get("consumption_window") else ""
     window += ", continuous" if r.get("continuous") else ""
     return f"async η={r['staleness']}{window}" + (f", {r['scoring_threads']} scorers" if r["scoring_threads"] > 1 else "")
+
+
+def regime_terms(g: Regime, quick: bool) -> str:
+    """The model and whatever a regime sets apart from the command's defaults, for the table's legend."""
+    terms = [f"h{g.hidden}×{g.layers} layers, {g.completion} tokens"]
+    if g.steps:
+        terms.append(f"{g.steps[0]} measured steps after {g.steps[1]} warm-up")
+    if g.repeats and not quick:
+        terms.append(f"{g.repeats} repeats")
+    if g.learning_rate == 0:
+        terms.append("learning rate 0 (the length distribution held still)")
+    return "; ".join(terms)
 
 
 def summarise(rows: list[dict]) -> list[dict]:
@@ -511,7 +546,7 @@ def main() -> None:
         repeats = 1 + max(r["seed"] for r in rows)
     for regime in [g for g in REGIMES if g.name in cli.regimes and saved is None]:
         model_dir = make_model(regime, os.path.join(work, regime.name))
-        for rep in range(regime.repeats or repeats):  # interleaved: every config once per repeat, in turn
+        for rep in range(repeats if cli.quick else regime.repeats or repeats):  # interleaved: every config in turn
             for cfg in configs(regime, cli.quick) if rep % 2 == 0 else configs(regime, cli.quick)[::-1]:
                 run = launch_ddp if cfg.get("processes", 1) > 1 else run_one
                 n, w = regime.steps or (steps, warmup)
@@ -550,14 +585,12 @@ def main() -> None:
           else v["predicted_s_per_step"], pct(v["predicted_error"])] for v in validation],
     )  # fmt: skip
     final = {name: statistics.fmean(r for _, r in c["rewards"][-20:]) for name, c in curves.items()}
-    regimes = "\n".join(
-        f"- `{g.name}`: {g.what}; h{g.hidden}×{g.layers} layers, {g.completion} tokens" for g in REGIMES
-        if g.name in cli.regimes
-    )
+    regimes = "\n".join(f"- `{g.name}`: {g.what}; {regime_terms(g, cli.quick)}" for g in REGIMES if g.name in cli.regimes)
     report.update_readme(
         "throughput",
         f"### Throughput vs TRL's GRPOTrainer (`{command}`)\n\n{CORES} cores; batch {BATCH} = {BATCH // GROUP} "
-        f"prompts × {GROUP}; {steps} measured steps after {warmup} warm-up; {repeats} interleaved repeat(s), median; "
+        f"prompts × {GROUP}; {steps} measured steps after {warmup} warm-up and {repeats} interleaved repeat(s) (median) "
+        "where a regime below sets no other; "
         f"{(time.time() - started) / 60:.0f} min in all. "
         "Async: trainer 1 thread + workers 1 thread each. Steady state (after warm-up): wall s, samples/s, tokens/s, "
         "the two 'vs best sync' ratios, busy and sync shares, efficiency. 'start-up s' = `train()` called to the "

@@ -78,3 +78,17 @@ def test_the_worker_engine_rates_are_its_generate_calls_and_the_trainer_step_les
         worker_engine_rates([{**runs[0], "eval_s": 12.0}])
     with pytest.raises(ValueError, match="no rate source"):
         compare([{"config": "ded_sync", "step_s": [99.0, 25.0]}])
+
+
+@pytest.mark.unit
+def test_a_workers_busy_share_counts_its_overlapping_group_spans_once():
+    from throughput import busy_share
+
+    # a continuously batching worker reports one span per group, and groups overlap in its slots.
+    # lane 1: (0, 4) and (2, 6) are busy from 0 to 6, 4 s of the window (1, 5); lane 2: (1, 3), 2 s of it.
+    # Two workers over a 4 s window: (4 + 2) / (4 * 2) = 0.75 (summing the spans would give 8 / 8 = 1.0)
+    calls = [(1, 0.0, 4.0), (1, 2.0, 6.0), (2, 1.0, 3.0)]
+    assert busy_share(calls, 1.0, 5.0, workers=2) == pytest.approx(0.75)
+    # spans that only touch, or lie apart, are counted as they are
+    assert busy_share([(0, 0.0, 1.0), (0, 1.0, 2.0), (0, 3.0, 4.0)], 0.0, 4.0, workers=1) == pytest.approx(0.75)
+    assert busy_share([], 0.0, 4.0, workers=1) == 0.0
