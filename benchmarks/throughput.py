@@ -476,7 +476,7 @@ def plots(rows: list[dict], curves: dict) -> None:
     for i, name in enumerate(labels):
         ys = [next((r["tokens_vs_best_sync"] for r in summary if r["regime"] == g and r["config"] == name), 0)
               for g in regimes]  # fmt: skip
-        ax.bar([x + i * width for x in range(len(regimes))], ys, width, label=name)
+        ax.bar([x + i * width for x in range(len(regimes))], ys, width, label=name, color=plt.cm.tab20(i % 20))
     ax.axhline(1.0, color="k", lw=1)
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(regimes))], regimes)
     ax.set(ylabel="tokens/s vs best sync", title="throughput, equal work (higher is better)")
@@ -543,7 +543,7 @@ def main() -> None:
         saved = json.loads((HERE / "results" / ("agentic.json" if cli.regimes == ["agentic"] else "throughput.json")).read_text())
         rows, started = saved["runs"], time.time() - saved["elapsed_s"]
         cli.quick, steps, warmup = saved.get("quick", False), saved["steps"], saved["warmup"]
-        repeats = 1 + max(r["seed"] for r in rows)
+        repeats = saved.get("repeats", 1 + max(r["seed"] for r in rows))  # the command's, not a regime's own
     for regime in [g for g in REGIMES if g.name in cli.regimes and saved is None]:
         model_dir = make_model(regime, os.path.join(work, regime.name))
         for rep in range(repeats if cli.quick else regime.repeats or repeats):  # interleaved: every config in turn
@@ -563,6 +563,7 @@ def main() -> None:
     validation = validate_simulator(rows)
     command = "python benchmarks/throughput.py" + (" --quick" if cli.quick else "")
     report.write_json("throughput", {"cores": CORES, "quick": cli.quick, "steps": steps, "warmup": warmup,
+                                     "repeats": repeats,
                                      "command": command, "elapsed_s": time.time() - started,
                                      "summary": summary, "simulator_validation": validation,
                                      "curves": curves, "runs": rows})  # fmt: skip
