@@ -1,8 +1,8 @@
 """Throughput: TRL's synchronous GRPOTrainer vs AsyncGRPOTrainer, same model, task, batch, sampling and steps, in one
 run, interleaved, on this machine's cores, in the regimes users meet.
 
-    python benchmarks/throughput.py --quick   # ~5 min: one repeat, fewer steps
-    python benchmarks/throughput.py           # two interleaved repeats, more steps
+    python benchmarks/throughput.py --quick   # ~5-8 min: one repeat, fewer steps, in every regime
+    python benchmarks/throughput.py           # two interleaved repeats, more steps, unless a regime sets its own
 
 Per run it measures, over the steps after a warm-up (steady state): wall time, samples/s, completion tokens/s, the
 trainer's busy share (training compute, not generating or waiting), the workers' busy share (async), and the
@@ -12,8 +12,8 @@ the first generation) and end to end (trainer construction to the end of ``train
 Equal work: each side samples its own completion lengths (``long_tail``), so the comparison that holds whatever the
 lengths is tokens per second ("tokens/s vs best sync"); steps per second is reported beside it. ``long_tail`` trains
 with a learning rate of 0: the optimizer still steps and the weights are still pushed, but every run samples from the
-same length distribution. With a learning rate, each run's lengths follow its own learning trajectory (the vowel
-reward lengthens completions), and tokens/s would compare trajectories rather than schedules.
+same length distribution. With a learning rate, each run's lengths drift with its own learning trajectory, and
+tokens/s would compare trajectories rather than schedules.
 
 Sync baselines: TRL's GRPOTrainer in one process with 1 or 2 torch threads, and 2-process DDP under ``accelerate
 launch`` (gloo, 1 thread per rank, half the batch per rank); the best of them is "best sync".
@@ -196,7 +196,8 @@ def _overlap(intervals, lo: float, hi: float) -> float:
 
 def busy_share(calls, lo: float, hi: float, workers: int) -> float:
     """The workers' busy share of the window (lo, hi): each lane's (lane, start, end) spans merged before they are
-    measured, since a continuously batching worker reports one span per group and its groups overlap in its slots."""
+    measured: a continuously batching worker's spans nest (one per group end within a submit) and overlap (submits
+    share its slots)."""
     busy = 0.0
     for lane in {w for w, _, _ in calls}:
         merged: list[list[float]] = []
@@ -355,7 +356,7 @@ def label(r: dict) -> str:
 def regime_terms(g: Regime, quick: bool) -> str:
     """The model and whatever a regime sets apart from the command's defaults, for the table's legend."""
     terms = [f"h{g.hidden}×{g.layers} layers, {g.completion} tokens"]
-    if g.steps:
+    if g.steps and not quick:
         terms.append(f"{g.steps[0]} measured steps after {g.steps[1]} warm-up")
     if g.repeats and not quick:
         terms.append(f"{g.repeats} repeats")
@@ -549,13 +550,13 @@ def main() -> None:
         for rep in range(repeats if cli.quick else regime.repeats or repeats):  # interleaved: every config in turn
             for cfg in configs(regime, cli.quick) if rep % 2 == 0 else configs(regime, cli.quick)[::-1]:
                 run = launch_ddp if cfg.get("processes", 1) > 1 else run_one
-                n, w = regime.steps or (steps, warmup)
+                n, w = (steps, warmup) if cli.quick else regime.steps or (steps, warmup)
                 rows.append(run(regime, model_dir, steps=n, warmup=w, seed=rep, **cfg))
                 r = rows[-1]
                 print(f"{regime.name:12s} {label(r):24s} {r['wall_s']:.2f}s {r['tokens_per_s']:.0f} tokens/s "
                       f"start-up {r['startup_s']:.1f}s", flush=True)  # fmt: skip
     if cli.regimes == ["agentic"]:
-        agentic_report(rows, *REGIMES[-1].steps, started)
+        agentic_report(rows, *((steps, warmup) if cli.quick else REGIMES[-1].steps), started)
         return
     curves = saved["curves"] if saved else learning_curves(curve_steps)
     curve_steps = len(next(iter(curves.values()))["rewards"])

@@ -1,6 +1,7 @@
-"""The arithmetic of the time-to-accuracy benchmark (benchmarks/time_to_accuracy.py) against values worked out by hand:
-the dedicated-device bound from the synchronous schedule's phases, when a curve reaches its target, and the share of
-groups dynamic sampling dropped."""
+"""The arithmetic of the benchmarks against values worked out by hand: the dedicated-device bound from the synchronous
+schedule's phases, when a curve reaches its target and the share of groups dynamic sampling dropped
+(time_to_accuracy.py), the dedicated-core prediction (predict_dedicated.py), and the workers' busy share
+(throughput.py)."""
 
 import sys
 from pathlib import Path
@@ -84,7 +85,7 @@ def test_the_worker_engine_rates_are_its_generate_calls_and_the_trainer_step_les
 def test_a_workers_busy_share_counts_its_overlapping_group_spans_once():
     from throughput import busy_share
 
-    # a continuously batching worker reports one span per group, and groups overlap in its slots.
+    # a continuously batching worker's spans nest and overlap (its submits share its slots).
     # lane 1: (0, 4) and (2, 6) are busy from 0 to 6, 4 s of the window (1, 5); lane 2: (1, 3), 2 s of it.
     # Two workers over a 4 s window: (4 + 2) / (4 * 2) = 0.75 (summing the spans would give 8 / 8 = 1.0)
     calls = [(1, 0.0, 4.0), (1, 2.0, 6.0), (2, 1.0, 3.0)]

@@ -53,7 +53,7 @@ class Lanes:
         self.placement: dict[int, tuple[tuple[int, ...], int]] = {}  # worker process -> (its cores, torch threads)
         self.verified_adoptions = 0
         self._expected_digests: dict[int, str] = {}
-        self._last_call: dict[int, float] = {}
+        self._last_call: dict[int, tuple[float, float]] = {}  # lane -> (start, seconds) of its newest span
 
     def expect_digest(self, version: int, digest: str) -> None:
         """The digest of the weights published as ``version`` (what lanes must report adopting)."""
@@ -102,8 +102,11 @@ class Lanes:
                 self._cv.notify_all()  # the lane has room again (the dispatcher may send a queued later turn)
                 if task is None:
                     return  # not (or no longer) ours: already regenerated elsewhere
-            if self._last_call.get(msg.lane_id) != msg.generate_started_at:  # one entry per call, not group
-                self._last_call[msg.lane_id] = msg.generate_started_at
+            # one entry per call, not per group; a continuous worker's groups of one submit share a start and end
+            # apart, each end a span of its own, so the last one shows how long the worker was busy with them
+            call = (msg.generate_started_at, msg.generate_s)
+            if self._last_call.get(msg.lane_id) != call:
+                self._last_call[msg.lane_id] = call
                 end = msg.generate_started_at + msg.generate_s
                 self.activity.append(("generate", msg.lane_id, msg.generate_started_at, end))
             self._deliver(msg, task)

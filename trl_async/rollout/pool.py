@@ -105,7 +105,8 @@ class RolloutPool(PoolReadouts):
         self.dropped_samples = 0
         self.dropped_groups = 0
         self.dropped_unscored = 0  # of those, dropped on arrival, before scoring
-        # (kind, worker id or -1 for the trainer, start, end) in time.time(): "generate" calls, "score" (one group's
+        # (kind, worker id or -1 for the trainer, start, end) in time.time(): "generate" calls (a continuously
+        # batching worker's: one span per distinct group end, nested within a submit), "score" (one group's
         # rewards, on a scoring thread) and the trainer's "wait"s in take(); bounded, for timelines and
         # utilisation (benchmarks/throughput.py)
         self.activity: deque[tuple[str, int, float, float]] = deque(maxlen=100_000)
