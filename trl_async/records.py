@@ -50,7 +50,7 @@ class RolloutGroup:
     logprobs: tuple[tuple[float, ...], ...]
     versions: tuple[tuple[int, ...], ...]
     lane_id: int  # the lane that generated it: a worker process's or a vLLM server's index
-    generate_s: float  # wall time of the generate call that produced this group (shared by its batch)
+    generate_s: float  # wall time from the call's start to this group (a static batch's groups share it)
     generate_started_at: float = 0.0  # time.time() when that call started (comparable across processes)
     rows: tuple[int, ...] = ()  # a later turn: the episodes these completions continue (RolloutTask.rows)
     # multi-turn episodes, assembled by the trainer process (rollout/episodes.py); empty for single-turn groups.
