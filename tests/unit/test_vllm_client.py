@@ -110,3 +110,30 @@ def test_a_lane_stopped_while_a_failed_request_waits_to_be_resent_sends_it_no_mo
         client.generate([5, 6], {"n": 1, "max_tokens": 2, "logprobs": 0}, stopped=stopped.is_set)
     time.sleep(1.0)
     assert stand_in.posts == 1
+
+
+@pytest.mark.unit
+def test_a_re_attached_lane_counts_its_silence_from_the_re_attach_not_from_its_last_check_before_the_push(
+    stand_in, monkeypatch
+):
+    """A server's health checks can go unanswered while it is being re-attached (the transport opened, the weights
+    pushed), which takes seconds for a large model. The re-attach is itself the server answering: the lane must not be
+    found silent the moment it is attached."""
+    from trl_async.engines.vllm import server_lane
+    from trl_async.engines.vllm.reattach import Return
+
+    monkeypatch.setattr(server_lane, "HEALTH_INTERVAL_S", 3600.0)  # no health check runs here: the clock is set below
+    spec = server_lane.VLLMLaneSpec(0, stand_in.url, {"n": 1}, (0,), 0, 1, 30.0, 1.0)
+    back = Return(stand_in.url, {}, None, 10, lambda: False, state="back", back_at=time.time())
+    lane = server_lane.VLLMLane(spec, capacity=1, returning=back)
+    try:
+        now = time.time()
+        lane._last_healthy = now - 5.0  # its last answered check came before the push began
+        assert lane.silent_for(now) == 0.0  # while returning, its Return watches the limits
+        back.attach(now)
+        assert lane.silent_for(now + 0.5) == pytest.approx(0.5)
+        assert lane.silent_for(now + 4.0) == pytest.approx(4.0)  # silence counts on from the re-attach
+        lane._last_healthy = now + 3.0  # a later answered check moves the clock on as before
+        assert lane.silent_for(now + 4.0) == pytest.approx(1.0)
+    finally:
+        lane.kill()

@@ -54,6 +54,7 @@ class Return:
     state: str = "down"  # "down" -> "back" -> "attached", or "refused" (backend._reattach: its probe differed)
     down_since: float = field(default_factory=time.time)
     back_at: float | None = None
+    attached_at: float | None = None
     _warned_at: float = field(default_factory=time.time)
 
     @property
@@ -110,5 +111,5 @@ class Return:
 
     def attach(self, now: float) -> float:
         """Re-attached (weights pushed and checked): returns the seconds from going down to taking work again."""
-        self.state = "attached"
+        self.state, self.attached_at = "attached", now
         return now - self.down_since

@@ -97,7 +97,11 @@ class VLLMLane(HoldsTasks):
     def silent_for(self, now: float) -> float:
         if not self.attached:  # waiting for its server: its Return watches the limits
             return 0.0
-        return math.inf if self._gave_up else now - self._last_healthy
+        if self._gave_up:
+            return math.inf
+        # a re-attach is the server answering: health checks may have gone unanswered while it took the weights
+        heard = self._last_healthy if self.returning is None else max(self._last_healthy, self.returning.attached_at)
+        return now - heard
 
     def describe(self) -> str:
         return f"vLLM server {self.spec.url}"
