@@ -285,7 +285,9 @@ def test_the_only_server_restarted_between_two_pushes_gets_its_transport_before_
 
                 threading.Thread(target=restart, daemon=True).start()
 
-    args = _vllm_args(tmp_path, None, max_steps=5, max_staleness=1, rollout_heartbeat_timeout_s=3,
+    # 6 s: room for one slow health check (2 s to time out, 0.5 s apart) on a loaded machine, so the one re-attach
+    # counted below is the only one; the restart takes far longer than the detection
+    args = _vllm_args(tmp_path, None, max_steps=5, max_staleness=1, rollout_heartbeat_timeout_s=6,
                       rollout_vllm_retry_s=300, rollout_backend=None, rollout_vllm_urls=None, use_vllm=True,
                       vllm_mode="server", vllm_server_base_url=url.url)  # fmt: skip
     trainer = AsyncGRPOTrainer(model=vllm_model_dir, reward_funcs=_reward, args=args, train_dataset=_dataset(),

@@ -111,5 +111,5 @@ class Return:
 
     def attach(self, now: float) -> float:
         """Re-attached (weights pushed and checked): returns the seconds from going down to taking work again."""
-        self.state, self.attached_at = "attached", now
+        self.attached_at, self.state = now, "attached"  # (in this order: ``silent_for`` reads both once attached)
         return now - self.down_since
