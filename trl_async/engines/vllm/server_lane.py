@@ -99,7 +99,8 @@ class VLLMLane(HoldsTasks):
             return 0.0
         if self._gave_up:
             return math.inf
-        # a re-attach is the server answering: health checks may have gone unanswered while it took the weights
+        # a re-attach is the server answering, while its last answered check may be seconds old (a slow check or a
+        # slow /server_info before the re-attach)
         heard = self._last_healthy if self.returning is None else max(self._last_healthy, self.returning.attached_at)
         return now - heard
 
