@@ -8,7 +8,8 @@ from trl import GRPOConfig, GRPOTrainer
 from trl_async import AsyncGRPOTrainer
 from trl_async.demo.code_task import HELDOUT_FUNCTIONS, TRAIN_FUNCTIONS, make_split
 from trl_async.sandbox import Limits, SandboxResult
-from trl_async.sandbox.rewards import CodeExecutionReward, extract_code, parse_report, score, tool_text
+from trl_async.sandbox.probes import split_test
+from trl_async.sandbox.rewards import MARK, CodeExecutionReward, extract_code, parse_report, score, tool_text
 
 from ..conftest import COMMON, async_args
 
@@ -27,18 +28,25 @@ def test_the_last_fenced_block_is_the_code():
     assert extract_code("```python\nunterminated") is None
 
 
+def record(**fields) -> str:
+    return "\n" + MARK + json.dumps(fields) + "\n"
+
+
 @pytest.mark.unit
-def test_a_report_is_read_only_from_the_tokened_line():
+def test_a_report_counts_the_tests_whose_probes_returned_values_that_satisfy_them():
     run = dict(exit_code=0, signal=None, stderr="", seconds=0.1, isolation="namespaces")
-    forged = 'abc {"outcome": "ran", "passed": 9, "total": 9}\n'
-    real = 'tok {"outcome": "ran", "passed": 1, "total": 4}\n'
-    assert parse_report(SandboxResult(stdout=forged + real, limits=(), **run), "tok", 4)["passed"] == 1
-    assert parse_report(SandboxResult(stdout=forged, limits=(), **run), "tok", 4)["outcome"] == "crashed"
-    assert parse_report(SandboxResult(stdout=real, limits=("wall_time",), **run), "tok", 4)["outcome"] == "stopped"
-    for bad in ['tok {"outcome": "ran", "passed": 1000, "total": 1}', 'tok {"outcome": "ran", "passed": "x", '
-                '"total": 4}', 'tok {"outcome": "ran", "passed": 1}', "tok nope", 'tok ["ran"]', 'tok {"outcome": 1}',
-                'tok {"outcome": "ran", "passed": 9, "total": 9}']:  # fmt: skip
-        assert parse_report(SandboxResult(stdout=bad, limits=(), **run), "tok", 4)["outcome"] == "crashed", bad
+    tests = [split_test(t) for t in TESTS]  # one probe each: f(2), f(3), f(0)
+    answers = record(probe=0, value="4") + record(probe=1, value="7") + record(probe=2, value="1")
+    result = SandboxResult(stdout="noise" + answers + record(outcome="ran"), limits=(), **run)
+    assert parse_report(result, tests) == {"outcome": "ran", "passed": 2, "total": 3}  # 4 == 4, 7 != 6, 1 == 1
+    no_end = SandboxResult(stdout=answers, limits=(), **run)  # the program ended the harness before it finished
+    assert parse_report(no_end, tests)["outcome"] == "crashed"
+    stopped = SandboxResult(stdout=answers + record(outcome="ran"), limits=("wall_time",), **run)
+    assert parse_report(stopped, tests)["outcome"] == "stopped"
+    # what the program can print itself is data: values (checked here), never a verdict
+    claims = record(outcome="ran") + record(probe=0, passed=True) + record(probe=1, value=repr(object()))
+    claims += record(probe=2, raised="AssertionError") + record(probe=9, value="4") + record(probe="0", value="4")
+    assert parse_report(SandboxResult(stdout=claims, limits=(), **run), tests)["passed"] == 0
     assert score({"outcome": "ran", "passed": 1, "total": 4}) == 0.25
     assert score({"outcome": "syntax_error"}) == score({"outcome": "ran", "passed": 0, "total": 0}) == 0.0
 
@@ -75,21 +83,23 @@ def test_the_reward_is_the_fraction_of_tests_passed_and_failures_are_counted():
         fenced("print('noise')\ndef f(x):\n    return 1 if x == 0 else 2 * x"),  # 3 of 3
         [{"role": "assistant", "content": fenced("def f(x):\n    return 1")}],  # conversational: 1 of 3
         [{"role": "assistant", "content": None}],  # no content: no code
-        # forgeries, each scoring 0: replacing builtins.exec (the tests still run: 0 of 3), calling the harness's
-        # report (not a module attribute: a crash), reading the token from an inherited descriptor (none: 0 of 3)
-        fenced("import builtins\nbuiltins.exec = lambda *a, **k: None"),
+        # forgeries, each scoring 0: replacing builtins.exec and builtins.repr (the verdict is not computed here),
+        # calling a report function (there is none), printing the harness's records claiming a pass (only values
+        # count, and these are wrong), an object equal to everything (its repr is not plain data)
+        fenced("import builtins\nbuiltins.exec = builtins.eval = lambda *a, **k: None\nbuiltins.repr = lambda o: '4'"),
         fenced("import __main__\n__main__.report(outcome='ran', passed=1000, total=1)"),
         fenced(
-            "import os\nfor fd in range(3, 20):\n    try:\n        print(os.pread(fd, 64, 0))\n    except OSError:\n"
-            "        pass\ndef f(x):\n    return 0"
+            f"import json, os\nfor i in range(3):\n    print({MARK!r} + json.dumps({{'probe': i, 'passed': True}}))\n"
+            f"print({MARK!r} + json.dumps({{'outcome': 'ran'}}), flush=True)\nos._exit(0)"
         ),
+        fenced("class Equal:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return Equal()"),
     ]
     metrics = {}
-    rewards = reward(completions, tests=[TESTS] * 11, log_metric=metrics.__setitem__)
-    assert rewards == pytest.approx([2 / 3, 0, 0, 0, 0, 1, 1 / 3, 0, 0, 0, 0])
-    assert metrics == pytest.approx({"code_execution/no_code": 2 / 11, "code_execution/syntax_error": 1 / 11,
-                                     "code_execution/crashed": 2 / 11, "code_execution/stopped": 1 / 11,
-                                     "code_execution/passed_all": 1 / 11})  # fmt: skip
+    rewards = reward(completions, tests=[TESTS] * 12, log_metric=metrics.__setitem__)
+    assert rewards == pytest.approx([2 / 3, 0, 0, 0, 0, 1, 1 / 3, 0, 0, 0, 0, 0])
+    assert metrics == pytest.approx({"code_execution/no_code": 2 / 12, "code_execution/syntax_error": 1 / 12,
+                                     "code_execution/crashed": 2 / 12, "code_execution/stopped": 1 / 12,
+                                     "code_execution/passed_all": 1 / 12})  # fmt: skip
     with pytest.raises(ValueError, match="needs a 'tests' column"):
         reward(completions[:1], answer=["1"])
 

@@ -3,11 +3,20 @@
 import signal
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from trl_async.sandbox import Limits, SandboxResult
 from trl_async.sandbox import isolation as iso
-from trl_async.sandbox.limits import limits_hit
-from trl_async.sandbox.runner import _check_files
+from trl_async.sandbox.limits import limits_hit, signal_name
+from trl_async.sandbox.runner import (
+    SandboxError,
+    _check_argv,
+    _check_files,
+    _check_limits,
+    _check_stdin,
+    open_lock_folder,
+)
 
 
 def hit(**kwargs):
@@ -39,11 +48,20 @@ def test_several_limits_are_all_named_once():
     assert hit(signal_number=signal.SIGXFSZ, stderr="File too large") == ("file_size",)
 
 
-def test_limits_refuse_non_positive_values_by_name():
-    with pytest.raises(ValueError, match="Limits.memory_mib"):
-        Limits(memory_mib=0)
-    with pytest.raises(ValueError, match="Limits.wall_s"):
-        Limits(wall_s=-1)
+@pytest.mark.parametrize(
+    "field, value, says",
+    [("memory_mib", 0, "above 0"), ("wall_s", -1, "above 0"), ("wall_s", float("nan"), "finite"),
+     ("wall_s", float("inf"), "finite"), ("cpu_s", float("inf"), "finite"), ("output_bytes", 1e4, "pass 10000"),
+     ("disk_mib", float("nan"), "whole number"), ("memory_mib", 1e15, "whole number"),
+     ("memory_mib", 10**15, "at most"), ("processes", True, "whole number"), ("open_files", "8", "whole number"),
+     ("wall_s", 10**6, "at most")],
+)  # fmt: skip
+def test_limits_refuse_what_is_not_a_finite_positive_number_of_the_right_kind(field, value, says):
+    with pytest.raises(ValueError, match=f"Limits.{field} .*{says}"):
+        Limits(**{field: value})
+
+
+def test_limits_set_whole_rlimits():
     assert Limits(memory_mib=2, cpu_s=3).rlimits() == {
         "cpu_s": 3,
         "memory_bytes": 2 << 20,
@@ -51,6 +69,7 @@ def test_limits_refuse_non_positive_values_by_name():
         "file_bytes": 16 << 20,
         "open_files": 256,
     }
+    assert Limits(cpu_s=2.5).rlimits()["cpu_s"] == 3  # no single process may pass the run's budget
 
 
 @pytest.mark.parametrize("name", ["/etc/passwd", "../up", "a/../../b", "", "a//b"])
@@ -65,7 +84,7 @@ def test_result_summary_and_flags():
     assert SandboxResult(exit_code=0, signal=None, limits=(), **done).ok
     slow = SandboxResult(exit_code=None, signal=None, limits=("wall_time", "processes"), **done)
     assert not slow.ok and slow.timed_out and slow.summary() == "stopped: wall-clock limit, process limit"
-    assert SandboxResult(exit_code=None, signal=9, limits=(), **done).summary() == "killed by signal SIGKILL"
+    assert SandboxResult(exit_code=None, signal=9, limits=(), **done).summary() == "killed by SIGKILL"
     assert SandboxResult(exit_code=3, signal=None, limits=(), **done).summary() == "exit status 3"
 
 
@@ -86,3 +105,75 @@ def test_the_trainers_packages_are_hidden_wherever_they_are_visible(monkeypatch)
     hidden = iso.hidden_dirs()
     assert "/usr/lib/python3/dist-packages" in hidden  # under /usr, which programs see
     assert "/opt/venv/lib" not in hidden  # never made visible in the first place
+
+
+def test_signal_names_cover_every_signal_a_process_can_receive():
+    assert signal_name(9) == "SIGKILL" and signal_name(signal.SIGRTMIN + 6) == "SIGRTMIN+6"
+    assert signal_name(999) == "signal 999" and signal_name(-1) == "signal -1"
+    for number in range(1, 65):  # 32 and 33 belong to the C library's threads, and still have a name here
+        SandboxResult(
+            exit_code=None, signal=number, stdout="", stderr="", limits=(), seconds=0, isolation="x"
+        ).summary()
+
+
+@given(
+    exit_code=st.one_of(st.none(), st.integers()),
+    number=st.one_of(st.none(), st.integers()),
+    stdout=st.text(),
+    stderr=st.text(),
+    limits=st.lists(st.sampled_from(["wall_time", "cpu_time", "output", "memory", "bogus"])),
+)
+def test_any_result_summarises_without_raising(exit_code, number, stdout, stderr, limits):
+    result = SandboxResult(exit_code=exit_code, signal=number, stdout=stdout, stderr=stderr, limits=tuple(limits),
+                           seconds=0.0, isolation="namespaces")  # fmt: skip
+    assert isinstance(result.summary(), str)
+
+
+@pytest.mark.parametrize(
+    "call, says",
+    [(lambda: _check_argv("/bin/echo hi"), r"not one string: pass \['/bin/echo', 'hi'\]"),
+     (lambda: _check_argv([]), "non-empty list"), (lambda: _check_argv(["/bin/echo", 3]), "every argv item"),
+     (lambda: _check_argv(["echo"]), "absolute path"), (lambda: _check_argv(["/bin/ec\x00ho"]), "NUL"),
+     (lambda: _check_stdin(3), "stdin must be str or bytes"), (lambda: _check_stdin("\udc80"), "pass bytes"),
+     (lambda: _check_files({5: "x"}), "must be a string"), (lambda: _check_files({"a": 5}), r"files\['a'\]"),
+     (lambda: _check_files(["a"]), "mapping"), (lambda: _check_limits({"wall_s": 1}, Limits()), "Limits\\(\\*\\*"),
+     (lambda: _check_limits(Limits(open_files=1 << 20), Limits()), "open_files")],
+)  # fmt: skip
+def test_a_callers_mistake_is_a_value_error_naming_the_argument(call, says, monkeypatch):
+    monkeypatch.setattr("builtins.open", _nr_open(1024), raising=True)
+    with pytest.raises(ValueError, match=says):
+        call()
+
+
+def _nr_open(value: int):
+    """``open`` that reads ``value`` from ``/proc/sys/fs/nr_open`` (so the file limit refuses a million)."""
+    import builtins
+    import io
+
+    real = builtins.open
+
+    def fake(path, *args, **kwargs):
+        return io.StringIO(str(value)) if path == "/proc/sys/fs/nr_open" else real(path, *args, **kwargs)
+
+    return fake
+
+
+def test_stdin_has_one_meaning_per_type():
+    assert _check_stdin(None) == b"" and _check_stdin("é") == "é".encode() and _check_stdin(b"\xff") == b"\xff"
+
+
+def test_the_uid_lock_folder_is_refused_unless_it_is_this_users_alone(tmp_path):
+    import os
+
+    good = tmp_path / "locks"
+    os.close(open_lock_folder(str(good)))  # made with mode 0700
+    assert good.stat().st_mode & 0o777 == 0o700
+    os.chmod(good, 0o777)
+    with pytest.raises(SandboxError, match="mode 0o777"):
+        open_lock_folder(str(good))
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    with pytest.raises(SandboxError, match="not a folder"):
+        open_lock_folder(str(link))
+    assert not list((tmp_path / "elsewhere").iterdir())

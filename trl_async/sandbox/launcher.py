@@ -14,11 +14,12 @@ Steps, in order:
 2. The program's files and stdin.
 3. A child that sets resource limits, drops privileges (another uid when the launcher is real root, every
    capability and ``no_new_privs`` otherwise), then executes the program with a scrubbed environment.
-4. Wait for it until the wall clock runs out, or the trainer's end of the ``alive`` pipe closes; then kill everything
-   left (in its own PID namespace: every process but this one; otherwise every process of the run's uid, or its
-   process group), reap it all (the launcher is a child subreaper, so orphans come back to it), and write
-   ``{"exit": ..., "signal": ..., "timed_out": ...}`` (marshal) to the status pipe. A setup failure writes
-   ``{"setup_error": ...}`` instead.
+4. Wait for it until the wall clock runs out, the run's processes together have used their CPU time, or the
+   trainer's end of the ``alive`` pipe closes; then kill everything left (in its own PID namespace: every process but
+   this one; otherwise every process of the run's uid, or its process group), reap it all (the launcher is a child
+   subreaper, so orphans come back to it, and every process's CPU time adds up in its own), and write
+   ``{"exit": ..., "signal": ..., "timed_out": ..., "cpu_s": ...}`` (marshal) to the status pipe. A setup failure,
+   the program's start included (before its ``execve``), writes ``{"setup_error": ...}`` instead.
 """
 
 import _signal as signal
@@ -41,6 +42,10 @@ DENIED = ("memfd_create", "keyctl", "add_key", "request_key", "ptrace", "process
           "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "bpf", "perf_event_open", "userfaultfd",
           "io_uring_setup", "kexec_load", "init_module", "finit_module", "delete_module", "open_by_handle_at",
           "swapon", "swapoff", "reboot", "acct", "quotactl")  # fmt: skip
+# the socket families a program may open (an allow-list: vsock, netlink, packet, bluetooth and the rest are refused)
+SOCKET_FAMILIES = (1, 2, 10)  # AF_UNIX; AF_INET and AF_INET6, which reach only the run's own network namespace
+EPERM, EACCES = 1, 13
+SCMP_CMP_EQ, SCMP_CMP_GT = 4, 6
 # signals a program running as the launcher's own uid (a non-root trainer's) could send it; ignored by the launcher
 SHIELDED = (
     signal.SIGINT,
@@ -166,7 +171,7 @@ def write_files(spec: dict, workdir: str) -> None:
     for name, text in spec["files"].items():
         path = os.path.join(workdir, name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
+        with open(path, "wb") as f:
             f.write(text)
         if spec["drop_uid"]:
             os.chown(path, spec["uid"], spec["uid"])
@@ -177,9 +182,11 @@ def write_files(spec: dict, workdir: str) -> None:
                 os.chown(os.path.join(dirpath, d), spec["uid"], spec["uid"])
 
 
-def stdin_fd(data: str) -> int:
+def stdin_fd(data: bytes) -> int:
     fd = os.memfd_create("stdin", 0)
-    os.write(fd, data.encode())
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
@@ -191,24 +198,48 @@ def new_session_keyring() -> None:
         _libc.syscall(number, 1, None)  # KEYCTL_JOIN_SESSION_KEYRING, anonymous
 
 
+class _ArgCmp(ctypes.Structure):  # libseccomp's struct scmp_arg_cmp
+    _fields_ = [
+        ("arg", ctypes.c_uint),
+        ("op", ctypes.c_int),
+        ("datum_a", ctypes.c_uint64),
+        ("datum_b", ctypes.c_uint64),
+    ]
+
+
 def deny_syscalls() -> bool:
     """A seccomp filter (libseccomp, where installed) refusing with EPERM the calls a program needs only to attack:
     ``DENIED`` (anonymous memory files outside its limits, keyrings, debugging other processes, namespaces, mounts,
-    kernel modules, BPF). Without libseccomp the run goes on without it."""
+    kernel modules, BPF); and with EACCES every socket family but ``SOCKET_FAMILIES`` (vsock reaches the hypervisor,
+    netlink the kernel, packet and bluetooth the hardware). Calls of another architecture (32-bit ``int 0x80``) kill
+    the process: libseccomp's default for a filter of the native architecture. Without libseccomp the run goes on
+    without the filter."""
     try:
         seccomp = ctypes.CDLL("libseccomp.so.2")
     except OSError:
         return False
     seccomp.seccomp_init.restype = ctypes.c_void_p
     seccomp.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
-    seccomp.seccomp_rule_add.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint]
+    seccomp.seccomp_rule_add_array.argtypes = [
+        ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint, ctypes.POINTER(_ArgCmp)
+    ]  # fmt: skip
     seccomp.seccomp_load.argtypes = [ctypes.c_void_p]
     context = seccomp.seccomp_init(0x7FFF0000)  # SCMP_ACT_ALLOW
-    refuse = 0x00050000 | 1  # SCMP_ACT_ERRNO(EPERM)
-    for name in DENIED:
+    refuse = lambda errno: 0x00050000 | errno  # noqa: E731 - SCMP_ACT_ERRNO(errno)
+
+    def rule(name: str, errno: int, compare: _ArgCmp | None = None) -> None:
         number = seccomp.seccomp_syscall_resolve_name(name.encode())
         if number >= 0:
-            _check(seccomp.seccomp_rule_add(context, refuse, number, 0), f"seccomp rule {name}")
+            count = 0 if compare is None else 1
+            _check(seccomp.seccomp_rule_add_array(context, refuse(errno), number, count, compare), f"seccomp {name}")
+
+    for name in DENIED:
+        rule(name, EPERM)
+    for name in ("socket", "socketpair"):
+        for family in range(max(SOCKET_FAMILIES)):
+            if family not in SOCKET_FAMILIES:
+                rule(name, EACCES, _ArgCmp(0, SCMP_CMP_EQ, family, 0))
+        rule(name, EACCES, _ArgCmp(0, SCMP_CMP_GT, max(SOCKET_FAMILIES), 0))
     _check(seccomp.seccomp_load(context), "seccomp load")
     return True
 
@@ -227,10 +258,20 @@ def drop_privileges(spec: dict) -> None:
 
 
 def start_program(spec: dict, workdir: str, status_fd: int) -> int:
+    """Fork the program and return its pid once it has reached ``execve``. Whatever fails before that (a limit the
+    kernel refuses, a missing ``argv[0]``) raises here: the caller's or the machine's fault, never the program's."""
+    failed_r, failed_w = os.pipe()  # close-on-exec: it reads empty once the program is running
     pid = os.fork()
     if pid:
+        os.close(failed_w)
+        with os.fdopen(failed_r, "rb") as failed:
+            why = failed.read().decode(errors="replace")
+        if why:
+            os.waitpid(pid, 0)
+            raise OSError(f"the program could not start: {why}")
         return pid
     try:
+        os.close(failed_r)
         os.close(status_fd)
         os.close(spec["alive_fd"])
         if spec["isolation"] == "rlimits":
@@ -250,31 +291,81 @@ def start_program(spec: dict, workdir: str, status_fd: int) -> int:
         drop_privileges(spec)
         deny_syscalls()
         os.execve(spec["argv"][0], spec["argv"], spec["env"])
-    except BaseException as exc:  # noqa: BLE001 - reported as the program's failure to start
-        os.write(2, f"sandbox: the program could not start: {exc}\n".encode())
+    except BaseException as exc:  # noqa: BLE001 - reported to the launcher, which reports a setup error
+        os.write(failed_w, f"{type(exc).__name__}: {exc}".encode(errors="replace"))
     os._exit(127)
 
 
-def wait_for(pid: int, deadline: float, alive_fd: int) -> tuple[int | None, bool, float]:
-    """``(wait status, timed out, CPU seconds)`` of the program, reaping any orphan re-parented here meanwhile. The
-    status is None at the deadline, or when ``alive_fd`` (the trainer's end of a pipe) closes: the trainer is gone."""
+def _stat_fields(pid: str) -> list[bytes]:
+    """``/proc/<pid>/stat`` after the command name: index 0 is field 3 (state), index n is field n + 3."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()
+
+
+def run_cpu_s(spec: dict, pid: int) -> float:
+    """CPU seconds the run has used so far: its processes already reaped here, plus every live one's own time and
+    the time of the children it reaped (``cutime``, ``cstime``). Live processes are those of this PID namespace,
+    else of the run's uid (a root trainer), else of the program's process group."""
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+    ticks, me = 0, os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            if (
+                spec["isolation"] != "namespaces"
+                and spec["drop_uid"]
+                and os.stat("/proc/" + entry).st_uid != spec["uid"]
+            ):
+                continue
+            fields = _stat_fields(entry)
+            if spec["isolation"] != "namespaces" and not spec["drop_uid"] and int(fields[2]) != pid:
+                continue
+            ticks += sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
+        except (OSError, IndexError, ValueError):
+            pass  # gone meanwhile: its time is in its parent's now
+    return reaped.ru_utime + reaped.ru_stime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def wait_for(spec: dict, pid: int, deadline: float, alive_fd: int) -> tuple[int | None, str | None]:
+    """``(wait status, why it was cut short)`` of the program, reaping any orphan re-parented here meanwhile. The
+    status is None, and ``why`` says so, at the wall clock (``"wall"``), once the run's CPU time reaches its budget
+    (``"cpu"``, checked no sooner than all cores together could have used it), or when ``alive_fd`` (the trainer's
+    end of a pipe) closes (``"trainer"``)."""
     pidfd = os.pidfd_open(pid)
+    budget, cores = spec["cpu_s"], max(1, len(os.sched_getaffinity(0)))
+    check = time.monotonic() + budget / cores
     while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return None, True, 0.0
-        ready, _, _ = select.select([pidfd, alive_fd], [], [], left)
+        now = time.monotonic()
+        if now >= deadline:
+            return None, "wall"
+        if now >= check:
+            used = run_cpu_s(spec, pid)
+            if used >= budget:
+                return None, "cpu"
+            check = now + max(0.02, (budget - used) / cores)
+        ready, _, _ = select.select([pidfd, alive_fd], [], [], min(deadline, check) - now)
         if alive_fd in ready:
-            return None, False, 0.0
+            return None, "trainer"
         while True:
             try:
-                reaped, status, usage = os.wait4(-1, os.WNOHANG)
+                reaped, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
-                return None, False, 0.0
+                return None, None
             if reaped == pid:
-                return status, False, usage.ru_utime + usage.ru_stime
+                return status, None
             if reaped == 0:
                 break
+
+
+def disk_full(spec: dict) -> bool:
+    """Whether the run's shared tmpfs (working directory and ``/tmp``, namespaces only) ended full."""
+    if spec["isolation"] != "namespaces":
+        return False
+    try:
+        return os.statvfs("/sandbox").f_bavail == 0
+    except OSError:
+        return False
 
 
 def _kill_uid(uid: int) -> None:
@@ -346,14 +437,17 @@ def main() -> None:
     except BaseException as exc:  # noqa: BLE001
         os.write(status_fd, marshal.dumps({"setup_error": f"{type(exc).__name__}: {exc}"}))
         sys.exit(1)
-    status, timed_out, cpu_s = wait_for(pid, start + spec["wall_s"], spec["alive_fd"])
+    status, cut = wait_for(spec, pid, start + spec["wall_s"], spec["alive_fd"])
     kill_all(spec, pid)
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)  # every process of the run, now that all are reaped
     report = {
-        "timed_out": timed_out,
+        "timed_out": cut == "wall",
+        "cpu_stopped": cut == "cpu",
         "exit": None,
         "signal": None,
         "seconds": time.monotonic() - start,
-        "cpu_s": cpu_s,
+        "cpu_s": reaped.ru_utime + reaped.ru_stime,
+        "disk_full": disk_full(spec),
     }
     if status is not None:
         if os.WIFSIGNALED(status):

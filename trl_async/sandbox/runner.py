@@ -25,9 +25,38 @@ OUTPUT_GRACE_S = 1.0  # after the launcher reported, how long output may still a
 MAX_CONCURRENCY = 1024
 # a root trainer runs each program as a uid of its own, from UID_BASE on, which nothing else on the machine owns: the
 # process limit counts only that run, and killing the uid's processes ends all of it. A uid is taken with an
-# exclusive lock on its file in UID_LOCKS, so runs of any sandbox in any process never share one.
+# exclusive lock on its file in UID_LOCKS, so runs of any sandbox in any process never share one. The folder is root's
+# alone (mode 0700), checked on every run, and opened without following links: a folder another user planted first,
+# or a link in its place, is refused rather than trusted.
 UID_BASE, UID_COUNT = 0x50000000, 1 << 16
-UID_LOCKS = os.path.join(tempfile.gettempdir(), "trl_async_sandbox_uids")
+UID_LOCKS = "/run/trl_async_sandbox_uids" if os.path.isdir("/run") else "/tmp/trl_async_sandbox_uids"
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself failed (not the program): the message says where."""
+
+
+def open_lock_folder(path: str) -> int:
+    """A descriptor of the uid lock folder, made if missing; refused unless it is a real folder (not a link) owned by
+    this user and closed to everyone else."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SandboxError(f"the sandbox's uid lock folder {path} is not a folder ({exc}): it may have been planted "
+                           f"by another user. Remove it (`rm -rf {path}`) and run again.") from exc  # fmt: skip
+    info = os.fstat(fd)
+    if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        os.close(fd)
+        raise SandboxError(
+            f"the sandbox's uid lock folder {path} belongs to uid {info.st_uid} with mode {oct(info.st_mode & 0o777)}; "
+            f"it must be this user's ({os.geteuid()}) with mode 0o700, or another user could plant files in it. "
+            f"Remove it (`rm -rf {path}`) and run again."
+        )
+    return fd
 
 
 class RunUid:
@@ -37,18 +66,25 @@ class RunUid:
         self.uid, self._fd = None, None
         if not is_root():
             return
-        os.makedirs(UID_LOCKS, mode=0o700, exist_ok=True)
-        start = random.randrange(UID_COUNT)
-        for i in range(UID_COUNT):
-            uid = UID_BASE + (start + i) % UID_COUNT
-            fd = os.open(os.path.join(UID_LOCKS, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            self.uid, self._fd = uid, fd
-            return
+        folder = open_lock_folder(UID_LOCKS)
+        try:
+            start = random.randrange(UID_COUNT)
+            for i in range(UID_COUNT):
+                uid = UID_BASE + (start + i) % UID_COUNT
+                flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+                try:
+                    fd = os.open(str(uid), flags, 0o600, dir_fd=folder)
+                except OSError as exc:
+                    raise SandboxError(f"cannot open the uid lock {UID_LOCKS}/{uid}: {exc}") from exc
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    continue
+                self.uid, self._fd = uid, fd
+                return
+        finally:
+            os.close(folder)
         raise SandboxError(f"every sandbox uid is in use ({UID_COUNT} runs at once)")
 
     def close(self) -> None:
@@ -57,15 +93,93 @@ class RunUid:
             self._fd = None
 
 
-class SandboxError(RuntimeError):
-    """The sandbox itself failed (not the program): the message says where."""
-
-
-def _check_files(files: Mapping[str, str]) -> None:
-    for name in files:
+def _check_files(files) -> dict[str, bytes]:
+    """``files`` as relative name -> bytes; a name that leaves the working directory, or content that is neither
+    text nor bytes, raises ``ValueError`` naming it."""
+    if files is None:
+        return {}
+    if not isinstance(files, Mapping):
+        raise ValueError(
+            f"files must be a mapping of relative file name to text or bytes, got {type(files).__name__}."
+        )
+    checked = {}
+    for name, content in files.items():
+        if not isinstance(name, str):
+            raise ValueError(f"a sandbox file name must be a string, got {name!r}.")
         parts = name.split("/")
-        if not name or name.startswith("/") or ".." in parts or "" in parts:
+        if not name or name.startswith("/") or ".." in parts or "" in parts or "\x00" in name:
             raise ValueError(f"a sandbox file name must be a relative path inside the working directory, got {name!r}")
+        checked[name] = _as_bytes(content, f"files[{name!r}]")
+    return checked
+
+
+def _as_bytes(value, what: str) -> bytes:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str):
+        try:
+            return value.encode()
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"{what} is text that UTF-8 cannot encode ({exc.reason}); pass bytes instead.") from exc
+    raise ValueError(f"{what} must be str or bytes, got {type(value).__name__}.")
+
+
+def _check_argv(argv) -> list[str]:
+    if isinstance(argv, (str, bytes)):
+        raise ValueError(f"argv must be a list of strings, not one string: pass {str(argv).split()!r}, not {argv!r}.")
+    if not isinstance(argv, Sequence) or not argv:
+        raise ValueError(f"argv must be a non-empty list of strings, got {argv!r}.")
+    for arg in argv:
+        if not isinstance(arg, str) or "\x00" in arg:
+            raise ValueError(f"every argv item must be a string without NUL characters, got {arg!r}.")
+    if not argv[0].startswith("/"):
+        raise ValueError(
+            f"argv[0] must be an absolute path inside the sandbox (such as /usr/bin/python3), got {argv[0]!r}."
+        )
+    return list(argv)
+
+
+def _check_stdin(stdin) -> bytes:
+    """``stdin``: text (sent as UTF-8), bytes (sent as they are), or None (no input: the program reads end-of-file)."""
+    return b"" if stdin is None else _as_bytes(stdin, "stdin")
+
+
+def _check_limits(limits, default: Limits) -> Limits:
+    if limits is None:
+        return default
+    if not isinstance(limits, Limits):
+        raise ValueError(f"limits must be a trl_async.sandbox.Limits, got {type(limits).__name__}: pass "
+                         "Limits(**your_settings).")  # fmt: skip
+    problem = machine_problem(limits)
+    if problem:
+        raise ValueError(problem)
+    return limits
+
+
+def machine_problem(limits: Limits) -> str | None:
+    """A limit this machine will not let the launcher set, with the fix (None when all can be set). A non-root trainer
+    cannot raise a hard limit it inherited; no process may open more files than ``fs.nr_open``."""
+    import resource
+
+    ceilings = {"cpu_s": resource.RLIMIT_CPU, "memory_bytes": resource.RLIMIT_AS, "processes": resource.RLIMIT_NPROC,
+                "file_bytes": resource.RLIMIT_FSIZE, "open_files": resource.RLIMIT_NOFILE}  # fmt: skip
+    names = {"cpu_s": "cpu_s", "memory_bytes": "memory_mib", "processes": "processes", "file_bytes": "file_mib",
+             "open_files": "open_files"}  # fmt: skip
+    for key, value in limits.rlimits().items():
+        hard = resource.getrlimit(ceilings[key])[1]
+        if key == "open_files":
+            try:
+                with open("/proc/sys/fs/nr_open") as f:
+                    nr_open = int(f.read())
+            except (OSError, ValueError):
+                nr_open = hard
+            hard = nr_open if is_root() else min(hard, nr_open) if hard != resource.RLIM_INFINITY else nr_open
+        elif is_root():
+            continue
+        if hard != resource.RLIM_INFINITY and value > hard:
+            return (f"Limits.{names[key]} asks for {value} where this machine allows this user at most {hard} "
+                    f"(its hard limit): lower Limits.{names[key]}.")  # fmt: skip
+    return None
 
 
 class Sandbox:
@@ -80,7 +194,7 @@ class Sandbox:
     def __init__(self, limits: Limits | None = None, isolation: str = "auto", concurrency: int | None = None) -> None:
         if concurrency is not None and not 1 <= concurrency <= MAX_CONCURRENCY:
             raise ValueError(f"concurrency must be between 1 and {MAX_CONCURRENCY}, got {concurrency}.")
-        self.limits = limits or Limits()
+        self.limits = _check_limits(limits, Limits())
         self.isolation = resolve(isolation)
         self.concurrency = concurrency or min(len(os.sched_getaffinity(0)), MAX_CONCURRENCY)
         self._free = threading.BoundedSemaphore(self.concurrency)
@@ -88,10 +202,15 @@ class Sandbox:
         self._visible, self._hidden = visible_dirs(), hidden_dirs()
 
     def run_python(
-        self, source: str, *, files: Mapping[str, str] | None = None, stdin: str = "", limits: Limits | None = None
-    ) -> SandboxResult:
+        self, source: str, *, files: Mapping[str, str | bytes] | None = None, stdin: str | bytes | None = None,
+        limits: Limits | None = None,
+    ) -> SandboxResult:  # fmt: skip
         """Run Python ``source`` as ``main.py`` in the working directory, with the base interpreter in isolated mode
         (no site-packages: the standard library only)."""
+        if not isinstance(source, str):
+            raise ValueError(f"source must be Python source text (str), got {type(source).__name__}.")
+        if files is not None and isinstance(files, Mapping) and "main.py" in files:
+            raise ValueError("files must not hold 'main.py': run_python writes the source there.")
         return self.run(
             [self._python, "-I", "-S", "main.py"],
             files={**(files or {}), "main.py": source},
@@ -103,20 +222,23 @@ class Sandbox:
         self,
         argv: Sequence[str],
         *,
-        files: Mapping[str, str] | None = None,
-        stdin: str = "",
+        files: Mapping[str, str | bytes] | None = None,
+        stdin: str | bytes | None = None,
         limits: Limits | None = None,
     ) -> SandboxResult:
-        """Run ``argv`` (``argv[0]`` an absolute path inside the sandbox) in a fresh working directory holding
-        ``files`` (relative name -> text). Blocks the calling thread until it ends."""
-        files = dict(files or {})
-        _check_files(files)
-        if not argv or not str(argv[0]).startswith("/"):
-            raise ValueError(f"argv[0] must be an absolute path, got {list(argv)[:1]!r}")
+        """Run ``argv`` (a list of strings, ``argv[0]`` an absolute path inside the sandbox) in a fresh working
+        directory holding ``files`` (relative name -> text or bytes), with ``stdin`` on its standard input (text as
+        UTF-8, bytes as they are, None for none). Blocks the calling thread until it ends. A wrong argument raises
+        ``ValueError`` naming it, before anything runs; a failure of the sandbox itself raises ``SandboxError``;
+        whatever the program does comes back in the result."""
+        argv = _check_argv(argv)
+        files = _check_files(files)
+        stdin = _check_stdin(stdin)
+        limits = _check_limits(limits, self.limits)
         with self._free:
             uid = RunUid()
             try:
-                return self._run([str(a) for a in argv], files, stdin, limits or self.limits, uid.uid)
+                return self._run(argv, files, stdin, limits, uid.uid)
             finally:
                 uid.close()
 
@@ -130,6 +252,7 @@ class Sandbox:
             "env": {**PROGRAM_ENV, "HOME": "/sandbox" if self.isolation == "namespaces" else root, "TMPDIR": "/tmp"},
             "limits": limits.rlimits(),
             "wall_s": limits.wall_s,
+            "cpu_s": limits.cpu_s,
             "disk_bytes": int(limits.disk_mib * (1 << 20)),
             "binds": self._visible,
             "hide": self._hidden,
@@ -177,13 +300,15 @@ class Sandbox:
             shutil.rmtree(root, ignore_errors=True)
         stdout, stderr, status, exceeded, backstop = streams
         report = _report(status, backstop, proc.returncode, stderr)
+        cpu_s = report.get("cpu_s", 0.0)
         hit = limits_hit(
             timed_out=report["timed_out"],
             output_exceeded=exceeded,
             signal_number=report["signal"],
             stderr=stderr,
-            cpu_s=report.get("cpu_s", 0.0),
+            cpu_s=max(cpu_s, limits.cpu_s) if report.get("cpu_stopped") else cpu_s,
             cpu_limit_s=limits.cpu_s,
+            disk_full=report.get("disk_full", False),
         )
         return SandboxResult(
             exit_code=None if exceeded else report["exit"],
