@@ -58,6 +58,19 @@ def snapshot(folder: Path) -> dict:
     return {str(p): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+def vsock_listener():
+    """A vsock port the trainer holds (the host-hypervisor channel, which no network namespace covers), where the
+    kernel offers vsock."""
+    try:
+        sock = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)
+        sock.bind((socket.VMADDR_CID_ANY, 40_000 + uuid.uuid4().int % 20_000))
+        sock.listen(1)
+        sock.settimeout(0.2)
+        return sock
+    except (AttributeError, OSError):
+        return None
+
+
 @pytest.fixture
 def world(tmp_path, monkeypatch):
     """What a program might attack: a secret in the trainer's environment, a folder of the trainer's files, a
@@ -73,6 +86,7 @@ def world(tmp_path, monkeypatch):
     listener.settimeout(0.2)
     victim = subprocess.Popen(["sleep", "600"])
     plant_key(secret)
+    vsock = vsock_listener()
     world = dict(
         secret=secret,
         guarded=guarded,
@@ -81,8 +95,12 @@ def world(tmp_path, monkeypatch):
         marker=f"4242.{uuid.uuid4().int % 10**6}",
         before=snapshot(guarded),
         listener=listener,
+        vsock_port=vsock.getsockname()[1] if vsock else 4242,
+        vsock=vsock,
     )
     yield world
+    if vsock:
+        vsock.close()
     victim.kill()
     victim.wait()
     listener.close()
@@ -173,6 +191,36 @@ CASES = {
         "segment = libc.shmget(0, 1 << 26, 0o1000 | 0o600)\n"
         "print('HOARDED shm' if segment >= 0 else 'refused shm')\n"
     ),
+    # beyond those: every socket family but unix and IP (vsock reaches the hypervisor; netlink, packet, bluetooth,
+    # algorithm sockets the kernel), and a CPU limit hit by a child whose parent then exits 0
+    "opens_other_socket_families": (
+        "import errno, socket\n"
+        "families = {{'vsock': 40, 'netlink': 16, 'packet': 17, 'bluetooth': 31, 'alg': 38, 'rds': 21, 'tipc': 30,\n"
+        "            'unspec': 0, 'ax25': 3, 'huge': 1 << 40}}\n"
+        "for name, family in families.items():\n"
+        "    for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.SOCK_RAW, socket.SOCK_SEQPACKET):\n"
+        "        try:\n"
+        "            s = socket.socket(family, kind)\n"
+        "            print('OPENED', name, kind)\n"
+        "            if name == 'vsock':\n"
+        "                s.connect((2, {vsock_port}))\n"
+        "                print('CONNECTED vsock')\n"
+        "        except (OSError, OverflowError) as exc:\n"
+        "            print('refused', name, getattr(exc, 'errno', None) == errno.EACCES)\n"
+        "    try:\n"
+        "        socket.socketpair(family if family < 64 else 40)\n"
+        "        print('OPENED pair', name)\n"
+        "    except OSError as exc:\n"
+        "        print('refused pair', name)\n"
+        "a, b = socket.socketpair()\n"
+        "s = socket.socket(socket.AF_INET6)\n"
+        "print('ALLOWED unix and ip')\n"
+    ),
+    "child_exceeds_cpu": (
+        "import subprocess\n"
+        "done = subprocess.run(['/bin/sh', '-c', 'while :; do :; done'])\n"
+        "print('child ended by', done.returncode)\n"
+    ),
     "reads_the_keyring": (
         "import ctypes\n"
         "libc = ctypes.CDLL(None, use_errno=True)\n"
@@ -197,6 +245,7 @@ def program(case: str, world: dict) -> str:
         port=world["port"],
         marker=world["marker"],
         site=site.getsitepackages()[0],
+        vsock_port=world["vsock_port"],
     )
 
 
@@ -230,6 +279,14 @@ def check_contained(case: str, result, world: dict) -> None:
         assert "HOARDED" not in out and "refused memfd PermissionError" in out and "refused shm" in out, out
     elif case == "reads_the_keyring":
         assert "FOUND KEY" not in out and "trl_async_planted" not in out, out
+    elif case == "opens_other_socket_families":
+        assert "OPENED" not in out and "CONNECTED" not in out and "ALLOWED unix and ip" in out, out
+        assert "refused vsock True" in out and "refused netlink True" in out and "refused huge" in out, out
+        if world["vsock_port"] != 4242:
+            with pytest.raises(TimeoutError):
+                world["vsock"].accept()
+    elif case == "child_exceeds_cpu":
+        assert "cpu_time" in result.limits and not result.ok, (result.limits, out)
     elif case == "imports_the_trainer":
         assert "IMPORTED" not in out and out.count("ModuleNotFoundError") == 3, out
 
@@ -411,3 +468,27 @@ def test_a_killed_trainer_takes_its_runs_with_it(world):
     while processes_named(world["marker"]) or sandbox_processes():
         assert time.monotonic() < deadline, "the run outlived its trainer"
         time.sleep(0.05)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the uid lock folder is for root trainers")
+@pytest.mark.parametrize("plant", ["folder_of_another_user", "open_folder", "link"])
+def test_a_uid_lock_folder_planted_by_another_user_is_refused(plant, tmp_path, monkeypatch):
+    """Another local user who creates the lock folder first (or a link in its place) could make root create files
+    where the links point, hold every uid, or make two runs share one: the sandbox refuses such a folder, and writes
+    nothing through it."""
+    from trl_async.sandbox import SandboxError, runner
+
+    folder, target = tmp_path / "uids", tmp_path / "target"
+    target.mkdir(mode=0o700)
+    if plant == "link":
+        folder.symlink_to(target)
+    else:
+        folder.mkdir(mode=0o777 if plant == "open_folder" else 0o700)
+        os.chmod(folder, 0o777 if plant == "open_folder" else 0o700)
+        if plant == "folder_of_another_user":
+            os.chown(folder, 65534, 65534)
+            (folder / str(runner.UID_BASE)).symlink_to(target / "written_by_root")
+    monkeypatch.setattr(runner, "UID_LOCKS", str(folder))
+    with pytest.raises(SandboxError, match="uid lock folder"):
+        Sandbox(limits=LIMITS).run_python("print(1)")
+    assert not list(target.iterdir())
