@@ -10,8 +10,14 @@ from trl_async.sandbox.rewards import CodeExecutionReward, python_tool
 
 LIMITS = Limits(wall_s=2, cpu_s=1)
 SECRET = f"expected-{uuid.uuid4().hex}"  # an expected value no program could guess
-TESTS = ["assert f(12) == 157", "assert f(5) == 38", "assert repr(f(0)) == '13'", f"assert g(1) == {SECRET!r}"]
-SOLUTION = f"def f(x):\n    return x * x + 13\ndef g(x):\n    return {SECRET!r}\n"
+TESTS = [
+    "assert f(12) == 157",
+    "assert f(5) == 38",
+    "assert repr(f(0)) == '13'",
+    f"assert g(1) == {SECRET!r}",
+    "assert to_bin(5) == bin(5)",
+]
+SOLUTION = f"def f(x):\n    return x * x + 13\ndef g(x):\n    return {SECRET!r}\nto_bin = bin\n"
 
 
 def fenced(code: str) -> str:
@@ -71,6 +77,7 @@ FORGERIES = {
         "class Odd:\n    def __eq__(self, other):\n        return True\n    def __repr__(self):\n"
         "        raise SystemExit(0)\ndef f(x):\n    return Odd()\ng = f\n"
     ),
+    "shadows_a_builtin": "import builtins\nbin = builtins.bin = lambda n: 0\ndef to_bin(n):\n    return 0\nf = g = to_bin\n",
     "exits_early": "import os\nos._exit(0)\n",
     "exits_through_sys": "raise SystemExit(0)\n",
     "prints_a_deep_report": "print('@trl_async@ ' + '[' * 100000)\nprint('@trl_async@ ' + '{\"probe\": ' * 5000)\n",
@@ -153,6 +160,17 @@ def test_a_test_that_cannot_be_split_is_refused_or_run_whole_when_allowed(sandbo
     metrics = {}
     assert allowed([fenced(SOLUTION)], tests=[whole + TESTS[:1]], log_metric=metrics.__setitem__) == [1.0]
     assert metrics["code_execution/forgeable_tests"] == 0.5
+    # a whole test runs apart: the expected value it shows its program does not help with the split tests
+    reader = "import json\ndef g(x):\n    probes = json.load(open('probes.json'))\n    return probes[0][1].split(\"'\")[1]\n"
+    tests = [f"x = g(1)\nassert x == {SECRET!r}", f"assert g(1) == {SECRET!r}"]
+    assert allowed([fenced(reader)], tests=[tests]) == [0.5]  # the whole one forged, the split one not
+
+
+def test_the_tool_answers_whatever_the_model_sends(sandbox):
+    tool = python_tool(sandbox=sandbox, limits=LIMITS)
+    assert tool("print(1)") == "1\n"
+    assert tool(12).startswith("[the code could not be run: source must be") and "surrogate" not in tool("x")
+    assert tool("print('\udc80')").startswith("[the code could not be run:")
 
 
 def test_a_callers_mistake_is_never_the_programs_exit_status(sandbox):

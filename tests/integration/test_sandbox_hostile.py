@@ -216,6 +216,20 @@ CASES = {
         "s = socket.socket(socket.AF_INET6)\n"
         "print('ALLOWED unix and ip')\n"
     ),
+    "makes_namespaces": (
+        "import ctypes, errno, threading\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "for flag in (0x10000000, 0x20000, 0x40000000):  # a user, mount or network namespace through clone()\n"
+        "    pid = libc.syscall(56, flag | 17, 0, 0, 0, 0)\n"
+        "    if pid == 0:\n"
+        "        libc._exit(0)\n"
+        "    print('MADE' if pid > 0 else 'refused clone', hex(flag), ctypes.get_errno() == errno.EPERM)\n"
+        "print('refused fsopen' if libc.syscall(430, b'tmpfs', 0) < 0 else 'MADE fsopen')\n"
+        "print('clone3', libc.syscall(435, 0, 0) < 0 and ctypes.get_errno() == errno.ENOSYS)\n"
+        "t = threading.Thread(target=print, args=('threads still start',))\n"
+        "t.start()\n"
+        "t.join()\n"
+    ),
     "child_exceeds_cpu": (
         "import subprocess\n"
         "done = subprocess.run(['/bin/sh', '-c', 'while :; do :; done'])\n"
@@ -285,6 +299,8 @@ def check_contained(case: str, result, world: dict) -> None:
         if world["vsock_port"] != 4242:
             with pytest.raises(TimeoutError):
                 world["vsock"].accept()
+    elif case == "makes_namespaces":
+        assert "MADE" not in out and out.count("True") == 4 and "threads still start" in out, out
     elif case == "child_exceeds_cpu":
         assert "cpu_time" in result.limits and not result.ok, (result.limits, out)
     elif case == "imports_the_trainer":

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trl_async.sandbox import SandboxResult
-from trl_async.sandbox.probes import Unsplittable, passes, plain_value, split_test
+from trl_async.sandbox.probes import Raised, Unsplittable, passes, plain_value, split_test
 from trl_async.sandbox.rewards import MARK, parse_report, probe_list, read_harness
 
 pytestmark = pytest.mark.unit
@@ -28,6 +28,7 @@ pytestmark = pytest.mark.unit
         ("assert f(2) == f(1) + 2", ["f(2)", "f(1)"]),
         ("assert 0 <= f(5) < 10", ["f(5)"]),
         ("assert CONSTANT == 3", ["CONSTANT"]),
+        ("assert to_bin(5) == bin(5) and f(1) == math.pi", ["to_bin(5)", "f(1)"]),  # built-ins stay here
     ],
 )
 def test_only_calls_into_the_candidate_go_to_the_sandbox(test, probes):
@@ -45,6 +46,8 @@ def test_only_calls_into_the_candidate_go_to_the_sandbox(test, probes):
         "assert 'ab'.upper() == f('ab')",  # a method the trainer's side does not evaluate
         "f(2) == 4",  # not an assert
         "assert f(2) ==",  # does not parse
+        "assert f(1) == print(1)",  # a built-in the program could shadow, not evaluated here
+        "assert f(1) == math.factorial(5)",
     ],
 )
 def test_what_cannot_be_split_says_so(test):
@@ -75,6 +78,14 @@ def test_what_cannot_be_split_says_so(test):
         ("assert f(1) * 10**9 == 'x'", ["ab"], False),  # refused (too large to make here), so the test fails
         ("assert f(1) ** f(2) > 0", [10, 10**7], False),  # likewise
         ("assert f(1) == 3", ["3"], False),
+        ("assert f(1) is None or f(1)[0] == 1", [None, Raised("TypeError")], True),  # the raise is never needed
+        ("assert f(1) is None or f(1)[0] == 1", [[2], Raised("TypeError")], False),
+        ("assert round(f(1), -10**18) == 0", [10**100], False),  # bounded, so refused
+        ("assert sum(f(1), []) == []", [[[1]] * 100], False),
+        ("assert bytes(f(1)) == b''", [10**12], False),
+        ("assert list(range(f(1))) == [0, 1]", [2], True),
+        ("assert list(range(f(1))) == []", [10**12], False),
+        ("assert to_bin(5) == bin(5)", ["0b101"], True),
     ],
 )
 def test_the_check_is_evaluated_here_on_plain_values(test, values, expected):
@@ -87,6 +98,8 @@ def test_a_probes_repr_is_read_as_plain_data_only():
     import math
 
     assert math.isnan(plain_value("nan")) and plain_value("-inf") == float("-inf")
+    with pytest.raises(ValueError, match="longer than"):
+        plain_value(repr("x" * 70_000))
     for text in ["Equal()", "<object at 0x1>", "__import__('os')", "[" * 5000, "-" * 100_000 + "1", "9" * 5000,
                  "(" * 300 + ")" * 300, "1 if True else 2", "f(1)"]:  # fmt: skip
         with pytest.raises(ValueError):

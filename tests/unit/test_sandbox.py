@@ -6,17 +6,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trl_async.sandbox import Limits, SandboxResult
+from trl_async.sandbox import Limits, SandboxError, SandboxResult
 from trl_async.sandbox import isolation as iso
-from trl_async.sandbox.limits import limits_hit, signal_name
-from trl_async.sandbox.runner import (
-    SandboxError,
-    _check_argv,
-    _check_files,
-    _check_limits,
-    _check_stdin,
-    open_lock_folder,
+from trl_async.sandbox.arguments import (
+    check_argv,
+    check_files,
+    check_limits,
+    check_stdin,
 )
+from trl_async.sandbox.limits import limits_hit, signal_name
+from trl_async.sandbox.runner import open_lock_folder
 
 
 def hit(**kwargs):
@@ -75,8 +74,8 @@ def test_limits_set_whole_rlimits():
 @pytest.mark.parametrize("name", ["/etc/passwd", "../up", "a/../../b", "", "a//b"])
 def test_file_names_stay_inside_the_working_directory(name):
     with pytest.raises(ValueError, match="relative path"):
-        _check_files({name: ""})
-    _check_files({"main.py": "", "pkg/mod.py": ""})
+        check_files({name: ""})
+    check_files({"main.py": "", "pkg/mod.py": ""})
 
 
 def test_result_summary_and_flags():
@@ -131,13 +130,13 @@ def test_any_result_summarises_without_raising(exit_code, number, stdout, stderr
 
 @pytest.mark.parametrize(
     "call, says",
-    [(lambda: _check_argv("/bin/echo hi"), r"not one string: pass \['/bin/echo', 'hi'\]"),
-     (lambda: _check_argv([]), "non-empty list"), (lambda: _check_argv(["/bin/echo", 3]), "every argv item"),
-     (lambda: _check_argv(["echo"]), "absolute path"), (lambda: _check_argv(["/bin/ec\x00ho"]), "NUL"),
-     (lambda: _check_stdin(3), "stdin must be str or bytes"), (lambda: _check_stdin("\udc80"), "pass bytes"),
-     (lambda: _check_files({5: "x"}), "must be a string"), (lambda: _check_files({"a": 5}), r"files\['a'\]"),
-     (lambda: _check_files(["a"]), "mapping"), (lambda: _check_limits({"wall_s": 1}, Limits()), "Limits\\(\\*\\*"),
-     (lambda: _check_limits(Limits(open_files=1 << 20), Limits()), "open_files")],
+    [(lambda: check_argv("/bin/echo hi"), r"not one string: pass \['/bin/echo', 'hi'\]"),
+     (lambda: check_argv([]), "non-empty list"), (lambda: check_argv(["/bin/echo", 3]), "every argv item"),
+     (lambda: check_argv(["echo"]), "absolute path"), (lambda: check_argv(["/bin/ec\x00ho"]), "NUL"),
+     (lambda: check_stdin(3), "stdin must be str or bytes"), (lambda: check_stdin("\udc80"), "pass bytes"),
+     (lambda: check_files({5: "x"}), "must be a string"), (lambda: check_files({"a": 5}), r"files\['a'\]"),
+     (lambda: check_files(["a"]), "mapping"), (lambda: check_limits({"wall_s": 1}, Limits()), "Limits\\(\\*\\*"),
+     (lambda: check_limits(Limits(open_files=1 << 20), Limits()), "open_files")],
 )  # fmt: skip
 def test_a_callers_mistake_is_a_value_error_naming_the_argument(call, says, monkeypatch):
     monkeypatch.setattr("builtins.open", _nr_open(1024), raising=True)
@@ -159,7 +158,7 @@ def _nr_open(value: int):
 
 
 def test_stdin_has_one_meaning_per_type():
-    assert _check_stdin(None) == b"" and _check_stdin("é") == "é".encode() and _check_stdin(b"\xff") == b"\xff"
+    assert check_stdin(None) == b"" and check_stdin("é") == "é".encode() and check_stdin(b"\xff") == b"\xff"
 
 
 def test_the_uid_lock_folder_is_refused_unless_it_is_this_users_alone(tmp_path):
@@ -177,3 +176,15 @@ def test_the_uid_lock_folder_is_refused_unless_it_is_this_users_alone(tmp_path):
     with pytest.raises(SandboxError, match="not a folder"):
         open_lock_folder(str(link))
     assert not list((tmp_path / "elsewhere").iterdir())
+
+
+def test_a_launcher_that_never_reports_is_a_result_not_an_error():
+    """Where the program runs as the trainer's user (rlimits, non-root), it can kill its launcher: the run then ends
+    as a failed run, not as a ``SandboxError`` through the reward."""
+    from trl_async.sandbox.runner import _report
+
+    assert _report(b"", False, "")["lost"] and _report(b"\x00garbage", False, "")["exit"] is None
+    with pytest.raises(SandboxError, match="could not be set up"):
+        import marshal
+
+        _report(marshal.dumps({"setup_error": "OSError: x"}), False, "")

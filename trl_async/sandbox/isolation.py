@@ -18,7 +18,7 @@ import warnings
 from pathlib import Path
 
 ISOLATIONS = ("auto", "namespaces", "rlimits")
-LAUNCHER = str(Path(__file__).with_name("launcher.py"))
+ZYGOTE = str(Path(__file__).with_name("zygote.py"))
 # the directories a program sees, read-only (with the Python installation, added below)
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 LOST_WITHOUT_NAMESPACES = (
@@ -36,7 +36,8 @@ def is_root() -> bool:
 
 
 def unshare_args() -> list[str]:
-    """``unshare`` and its flags; a non-root trainer also gets a user namespace, where it is root."""
+    """``unshare`` with every namespace a run takes (the probe of what the kernel allows); a non-root trainer also
+    gets a user namespace, where it is root."""
     args = [
         "unshare",
         "--pid",
@@ -49,6 +50,13 @@ def unshare_args() -> list[str]:
         "--propagation",
         "private",
     ]
+    return args if is_root() else [*args, "--user", "--map-root-user"]
+
+
+def zygote_unshare_args() -> list[str]:
+    """``unshare`` and its flags for the zygote: a private mount namespace (and, for a non-root trainer, a user
+    namespace where it is root); each run then takes its own PID, mount, network, IPC and UTS namespaces."""
+    args = ["unshare", "--mount", "--propagation", "private"]
     return args if is_root() else [*args, "--user", "--map-root-user"]
 
 

@@ -1,10 +1,10 @@
-"""The sandbox's first process: builds the program's world, starts it, enforces its wall clock, reports, cleans up.
+"""One sandboxed run, from its first process: builds the program's world, starts it, enforces its wall clock and CPU
+budget, reports, cleans up.
 
-Run as a file (``python -I -S launcher.py``) with a ``marshal``-encoded spec on stdin. It imports nothing outside
-the standard library, so it never loads the trainer's code, and only modules that load fast (``marshal`` and
-``_signal`` rather than ``json`` and ``signal``: their imports would double what a run costs). With ``"namespaces"`` it
-runs as the init process (pid 1) of fresh PID, mount, network, IPC and UTS namespaces made by util-linux ``unshare``;
-with ``"rlimits"`` it runs as a plain child of the trainer.
+Imported by ``zygote.py``, whose fresh fork runs ``run`` once per run; it imports nothing outside the standard
+library (and this folder's ``syscall_filter``), so it never loads the trainer's code. With ``"namespaces"`` it runs
+as the init process (pid 1) of fresh PID, mount, network, IPC and UTS namespaces; with ``"rlimits"`` as a plain
+process.
 
 Steps, in order:
 1. (namespaces) a fresh root: a small tmpfs holding read-only bind mounts of the system directories and the Python
@@ -13,7 +13,8 @@ Steps, in order:
    and ``/tmp``; then ``chroot`` into it.
 2. The program's files and stdin.
 3. A child that sets resource limits, drops privileges (another uid when the launcher is real root, every
-   capability and ``no_new_privs`` otherwise), then executes the program with a scrubbed environment.
+   capability and ``no_new_privs`` otherwise), installs the seccomp filter, then executes the program with a scrubbed
+   environment: a new interpreter, holding nothing of the zygote's memory.
 4. Wait for it until the wall clock runs out, the run's processes together have used their CPU time, or the
    trainer's end of the ``alive`` pipe closes; then kill everything left (in its own PID namespace: every process but
    this one; otherwise every process of the run's uid, or its process group), reap it all (the launcher is a child
@@ -28,8 +29,9 @@ import marshal
 import os
 import resource
 import select
-import sys
 import time
+
+import syscall_filter  # this folder's, on sys.path through zygote.py
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 21
@@ -38,14 +40,6 @@ PR_SET_NO_NEW_PRIVS, PR_SET_SECUREBITS, PR_CAPBSET_DROP, PR_SET_DUMPABLE, PR_SET
 SECBIT_NOROOT_ALL = 0x3 | 0xC | 0x30  # noroot, no_setuid_fixup, keep_caps_locked (each with its lock)
 DEVICES = ("null", "zero", "full", "random", "urandom")
 KEYCTL_SYSCALL = {"x86_64": 250, "aarch64": 219}
-DENIED = ("memfd_create", "keyctl", "add_key", "request_key", "ptrace", "process_vm_readv", "process_vm_writev",
-          "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "bpf", "perf_event_open", "userfaultfd",
-          "io_uring_setup", "kexec_load", "init_module", "finit_module", "delete_module", "open_by_handle_at",
-          "swapon", "swapoff", "reboot", "acct", "quotactl")  # fmt: skip
-# the socket families a program may open (an allow-list: vsock, netlink, packet, bluetooth and the rest are refused)
-SOCKET_FAMILIES = (1, 2, 10)  # AF_UNIX; AF_INET and AF_INET6, which reach only the run's own network namespace
-EPERM, EACCES = 1, 13
-SCMP_CMP_EQ, SCMP_CMP_GT = 4, 6
 # signals a program running as the launcher's own uid (a non-root trainer's) could send it; ignored by the launcher
 SHIELDED = (
     signal.SIGINT,
@@ -198,52 +192,6 @@ def new_session_keyring() -> None:
         _libc.syscall(number, 1, None)  # KEYCTL_JOIN_SESSION_KEYRING, anonymous
 
 
-class _ArgCmp(ctypes.Structure):  # libseccomp's struct scmp_arg_cmp
-    _fields_ = [
-        ("arg", ctypes.c_uint),
-        ("op", ctypes.c_int),
-        ("datum_a", ctypes.c_uint64),
-        ("datum_b", ctypes.c_uint64),
-    ]
-
-
-def deny_syscalls() -> bool:
-    """A seccomp filter (libseccomp, where installed) refusing with EPERM the calls a program needs only to attack:
-    ``DENIED`` (anonymous memory files outside its limits, keyrings, debugging other processes, namespaces, mounts,
-    kernel modules, BPF); and with EACCES every socket family but ``SOCKET_FAMILIES`` (vsock reaches the hypervisor,
-    netlink the kernel, packet and bluetooth the hardware). Calls of another architecture (32-bit ``int 0x80``) kill
-    the process: libseccomp's default for a filter of the native architecture. Without libseccomp the run goes on
-    without the filter."""
-    try:
-        seccomp = ctypes.CDLL("libseccomp.so.2")
-    except OSError:
-        return False
-    seccomp.seccomp_init.restype = ctypes.c_void_p
-    seccomp.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
-    seccomp.seccomp_rule_add_array.argtypes = [
-        ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint, ctypes.POINTER(_ArgCmp)
-    ]  # fmt: skip
-    seccomp.seccomp_load.argtypes = [ctypes.c_void_p]
-    context = seccomp.seccomp_init(0x7FFF0000)  # SCMP_ACT_ALLOW
-    refuse = lambda errno: 0x00050000 | errno  # noqa: E731 - SCMP_ACT_ERRNO(errno)
-
-    def rule(name: str, errno: int, compare: _ArgCmp | None = None) -> None:
-        number = seccomp.seccomp_syscall_resolve_name(name.encode())
-        if number >= 0:
-            count = 0 if compare is None else 1
-            _check(seccomp.seccomp_rule_add_array(context, refuse(errno), number, count, compare), f"seccomp {name}")
-
-    for name in DENIED:
-        rule(name, EPERM)
-    for name in ("socket", "socketpair"):
-        for family in range(max(SOCKET_FAMILIES)):
-            if family not in SOCKET_FAMILIES:
-                rule(name, EACCES, _ArgCmp(0, SCMP_CMP_EQ, family, 0))
-        rule(name, EACCES, _ArgCmp(0, SCMP_CMP_GT, max(SOCKET_FAMILIES), 0))
-    _check(seccomp.seccomp_load(context), "seccomp load")
-    return True
-
-
 def drop_privileges(spec: dict) -> None:
     """Everything that only takes away: no capability survives the exec, and none can be regained."""
     for cap in range(64):
@@ -289,7 +237,7 @@ def start_program(spec: dict, workdir: str, status_fd: int) -> int:
             signal.signal(number, signal.SIG_DFL)
         new_session_keyring()
         drop_privileges(spec)
-        deny_syscalls()
+        syscall_filter.deny_syscalls()
         os.execve(spec["argv"][0], spec["argv"], spec["env"])
     except BaseException as exc:  # noqa: BLE001 - reported to the launcher, which reports a setup error
         os.write(failed_w, f"{type(exc).__name__}: {exc}".encode(errors="replace"))
@@ -312,11 +260,7 @@ def run_cpu_s(spec: dict, pid: int) -> float:
         if not entry.isdigit() or int(entry) == me:
             continue
         try:
-            if (
-                spec["isolation"] != "namespaces"
-                and spec["drop_uid"]
-                and os.stat("/proc/" + entry).st_uid != spec["uid"]
-            ):
+            if spec["isolation"] != "namespaces" and spec["drop_uid"] and real_uid(entry) != spec["uid"]:
                 continue
             fields = _stat_fields(entry)
             if spec["isolation"] != "namespaces" and not spec["drop_uid"] and int(fields[2]) != pid:
@@ -381,15 +325,24 @@ def _kill_uid(uid: int) -> None:
     os.waitpid(pid, 0)
 
 
+def real_uid(pid: str) -> int:
+    """The real uid of a process (``/proc/<pid>``'s owner is root for a process that is not dumpable)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("Uid:"):
+                return int(line.split()[1])
+    raise ValueError("no Uid line")
+
+
 def _owned_by(uid: int) -> bool:
     """Whether a live (not zombie) process of ``uid`` remains."""
     for entry in os.listdir("/proc"):
         try:
-            if entry.isdigit() and os.stat("/proc/" + entry).st_uid == uid:
+            if entry.isdigit() and real_uid(entry) == uid:
                 with open(f"/proc/{entry}/stat") as f:
                     if f.read().rsplit(")", 1)[1].split()[0] != "Z":
                         return True
-        except (FileNotFoundError, ProcessLookupError, IndexError):
+        except (OSError, IndexError, ValueError):
             pass
     return False
 
@@ -416,15 +369,15 @@ def kill_all(spec: dict, pid: int) -> None:
             return
 
 
-def main() -> None:
-    spec = marshal.loads(sys.stdin.buffer.read())
-    status_fd = spec["status_fd"]
-    os.set_inheritable(status_fd, False)
-    os.set_inheritable(spec["alive_fd"], False)
-    _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+def run(spec: dict, stdout_fd: int, stderr_fd: int, status_fd: int, alive_fd: int) -> None:
+    """One run, from a fresh fork of the zygote (with namespaces, PID 1 of the run's own PID namespace): the
+    program's output goes to ``stdout_fd`` and ``stderr_fd``, the report to ``status_fd``."""
+    os.dup2(stdout_fd, 1)
+    os.dup2(stderr_fd, 2)
+    for fd in (stdout_fd, stderr_fd):
+        os.close(fd)
     _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of the program come here, to be killed and reaped
-    for number in SHIELDED:
-        signal.signal(number, signal.SIG_IGN)
+    spec = {**spec, "alive_fd": alive_fd}
     try:
         if spec["isolation"] == "namespaces":
             build_root(spec)
@@ -436,7 +389,7 @@ def main() -> None:
         pid = start_program(spec, workdir, status_fd)
     except BaseException as exc:  # noqa: BLE001
         os.write(status_fd, marshal.dumps({"setup_error": f"{type(exc).__name__}: {exc}"}))
-        sys.exit(1)
+        return
     status, cut = wait_for(spec, pid, start + spec["wall_s"], spec["alive_fd"])
     kill_all(spec, pid)
     reaped = resource.getrusage(resource.RUSAGE_CHILDREN)  # every process of the run, now that all are reaped
@@ -455,7 +408,3 @@ def main() -> None:
         else:
             report["exit"] = os.WEXITSTATUS(status)
     os.write(status_fd, marshal.dumps(report))
-
-
-if __name__ == "__main__":
-    main()

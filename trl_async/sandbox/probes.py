@@ -18,22 +18,67 @@ forged.
 from __future__ import annotations
 
 import ast
+import builtins
 import functools
 import math
 import operator
 from dataclasses import dataclass
 
 MAX_ITEMS = 1_000_000  # the most items a trainer-side product may make (``[0] * n``, ``"ab" * n``)
+MAX_VALUE_CHARS = 1 << 16  # the longest repr of a probe's value read back: larger values fail their test
 MAX_POWER_BITS = 1_000_000  # the largest integer ``**`` may make here, in bits
+
+
+def _bounded_int(n, what: str, bound: int = MAX_ITEMS) -> None:
+    if isinstance(n, int) and abs(n) > bound:
+        raise ValueError(f"{what} too large to evaluate")
+
+
+def _round(number, ndigits=None):
+    _bounded_int(ndigits, "round's ndigits", 10_000)  # round(10**4000, -10**18) would compute 10**(10**18)
+    return round(number) if ndigits is None else round(number, ndigits)
+
+
+def _bytes(*args):
+    if args and isinstance(args[0], int):
+        _bounded_int(args[0], "bytes(n)")
+    return bytes(*args)
+
+
+def _sum(values, start=0):
+    if not isinstance(start, (int, float, complex)):  # sum(lists, []) is quadratic in what the program returned
+        raise ValueError("sum with a non-number start is not evaluated on the trainer's side")
+    return sum(values, start)
+
+
+def _pow(base, exponent, modulus=None):
+    if modulus is None:
+        return binary(ast.Pow(), base, exponent)
+    return pow(base, exponent, modulus)
+
+
+def _range(*args):
+    result = range(*args)
+    _bounded_int(len(result), "range")
+    return result
+
+
+def _type(value):
+    return type(value)
+
 
 # what a test may call or name on the trainer's side: pure, bounded in time and memory on plain data
 FUNCTIONS = {
-    f.__name__: f
-    for f in (abs, all, any, bool, dict, divmod, float, frozenset, int, isinstance, len, list, max, min, repr, round,
-              set, sorted, str, sum, tuple, type, bytes, complex, chr, ord, reversed, enumerate, zip)
+    **{f.__name__: f for f in (abs, all, any, ascii, bin, bool, chr, complex, dict, divmod, enumerate, float, frozenset,
+                               hex, int, isinstance, len, list, max, min, oct, ord, repr, reversed, set, sorted, str,
+                               tuple, zip)},
+    "round": _round, "bytes": _bytes, "sum": _sum, "pow": _pow, "range": _range, "type": _type,
 }  # fmt: skip
 MATH = {name: getattr(math, name) for name in ("isclose", "isnan", "isinf", "isfinite", "floor", "ceil", "fabs",
                                                "sqrt", "trunc", "exp", "log", "log2", "log10", "copysign")}  # fmt: skip
+MATH_VALUES = {"pi": math.pi, "e": math.e, "tau": math.tau, "inf": math.inf}
+# built-in names the trainer does not evaluate: a probe rooted at one would let the program shadow an expected value
+BUILTINS = set(dir(builtins))
 SAFE_NAMES = {*FUNCTIONS, "math"}
 COMPARE = {
     ast.Eq: operator.eq,
@@ -50,6 +95,14 @@ COMPARE = {
 UNARY = {ast.Not: operator.not_, ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Invert: operator.invert}
 
 
+@dataclass(frozen=True)
+class Raised:
+    """A probe that raised: a check that needs its value fails; one that does not (``f(x) is None or ...``) may
+    still pass."""
+
+    name: str
+
+
 class Unsplittable(ValueError):
     """The test is not one ``assert`` whose candidate calls can be separated from the rest."""
 
@@ -64,12 +117,17 @@ class SplitTest:
     check: ast.expr | None  # None: an unsplittable test run whole in the candidate's process (forgeable)
 
 
+def _root(node: ast.AST) -> str | None:
+    while isinstance(node, (ast.Call, ast.Attribute, ast.Subscript)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
 def candidate_rooted(node: ast.AST) -> bool:
     """Whether ``node`` is a chain of calls, attributes and subscripts that starts at a name the test does not know
     (the candidate's function, class or variable)."""
-    while isinstance(node, (ast.Call, ast.Attribute, ast.Subscript)):
-        node = node.func if isinstance(node, ast.Call) else node.value
-    return isinstance(node, ast.Name) and node.id not in SAFE_NAMES
+    root = _root(node)
+    return root is not None and root not in SAFE_NAMES
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -88,10 +146,13 @@ def split_test(source: str) -> SplitTest:
 
 def _replace_probes(node: ast.AST, probes: list[str]) -> ast.AST:
     if isinstance(node, ast.expr) and candidate_rooted(node):
+        if _root(node) in BUILTINS:
+            raise Unsplittable(f"`{ast.unparse(node)}` calls a built-in the trainer's side does not evaluate, which "
+                               "the program could shadow")  # fmt: skip
         probes.append(ast.unparse(node))
         return ast.Name(id=f"__probe_{len(probes) - 1}", ctx=ast.Load())
     if isinstance(node, ast.Attribute):
-        if not (isinstance(node.value, ast.Name) and node.value.id == "math" and node.attr in MATH):
+        if not (isinstance(node.value, ast.Name) and node.value.id == "math" and node.attr in {*MATH, *MATH_VALUES}):
             raise Unsplittable(f"`{ast.unparse(node)}` is computed on the trainer's side, which knows only math.*")
         return node
     if not isinstance(node, SUPPORTED):
@@ -116,6 +177,8 @@ SUPPORTED = (
 def plain_value(text: str):
     """A probe's ``repr`` read back as plain data (numbers, strings, bytes, None, and lists, tuples, sets and dicts of
     them); raises ``ValueError`` for anything else, however malformed or deep."""
+    if len(text) > MAX_VALUE_CHARS:  # reading is quadratic in the worst case (colliding hashes in a set)
+        raise ValueError(f"longer than {MAX_VALUE_CHARS} characters")
     if text in ("nan", "inf", "-inf"):
         return float(text)
     try:
@@ -138,7 +201,12 @@ def evaluate(node: ast.AST, names: dict):
         case ast.Constant(value=value):
             return value
         case ast.Name(id=name):
-            return names[name] if name in names else FUNCTIONS[name]
+            value = names[name] if name in names else FUNCTIONS[name]
+            if isinstance(value, Raised):
+                raise ValueError(f"the probe raised {value.name}")  # only if the check needs it (``or``, ``if``)
+            return value
+        case ast.Attribute(value=ast.Name(id="math"), attr=attr) if attr in MATH_VALUES:
+            return MATH_VALUES[attr]
         case ast.List(elts=elts):
             return [evaluate(e, names) for e in elts]
         case ast.Tuple(elts=elts):

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from .limits import Limits, SandboxResult
-from .probes import SplitTest, Unsplittable, passes, plain_value, split_test
+from .probes import Raised, SplitTest, Unsplittable, passes, plain_value, split_test
 from .runner import Sandbox
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -121,8 +121,11 @@ def holds(test: SplitTest, answers: list[tuple | None]) -> bool:
         return answers == [("passed", True)]
     values = []
     for answer in answers:
-        if answer is None or answer[0] != "value":
+        if answer is None or answer[0] == "passed":
             return False
+        if answer[0] == "raised":
+            values.append(Raised(answer[1]))
+            continue
         try:
             values.append(plain_value(answer[1]))
         except ValueError:
@@ -229,10 +232,20 @@ class CodeExecutionReward:
         codes = [extract_code(t) for t in texts]
         jobs = [i for i, code in enumerate(codes) if code is not None]
 
+        def part(i: int, part_tests: list[SplitTest]) -> dict:
+            solution = codes[i].encode("utf-8", "replace")  # lone surrogates from a decoder become U+FFFD
+            files = {"solution.py": solution, "probes.json": json.dumps(probe_list(part_tests))}
+            return parse_report(sandbox.run_python(HARNESS, files=files, limits=self.limits), part_tests)
+
         def one(i: int) -> dict:
-            files = {"solution.py": codes[i], "probes.json": json.dumps(probe_list(tests[i]))}
-            result = sandbox.run_python(HARNESS, files=files, limits=self.limits)
-            return parse_report(result, tests[i])
+            """Tests that cannot be split run in a run of their own: their expected values, visible to that run's
+            program, must not help it with the split ones."""
+            split = [t for t in tests[i] if t.check is not None]
+            whole = [t for t in tests[i] if t.check is None]
+            reports = [part(i, p) for p in (split, whole) if p] or [part(i, [])]
+            failed = [r for r in reports if r["outcome"] != "ran"]
+            return failed[0] if failed else {"outcome": "ran", "passed": sum(r["passed"] for r in reports),
+                                             "total": len(tests[i])}  # fmt: skip
 
         reports: list[dict] = [{"outcome": "no_code"} for _ in codes]
         if jobs:
@@ -253,7 +266,10 @@ def python_tool(sandbox: Sandbox | None = None, limits: Limits | None = None, ma
         Args:
             code: The Python source to run. Print whatever you want to see.
         """
-        result = (sandbox or shared_sandbox()).run_python(code, limits=limits)
+        try:
+            result = (sandbox or shared_sandbox()).run_python(code, limits=limits)
+        except ValueError as exc:  # the model's call, not a program: code that is not text, a lone surrogate
+            return f"[the code could not be run: {exc}]"
         return tool_text(result, max_chars)
 
     return python

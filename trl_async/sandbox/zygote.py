@@ -1,0 +1,105 @@
+"""The sandbox's long-lived first process: one per ``Sandbox``, it forks a launcher for each run, so that a run
+costs a fork and fresh namespaces rather than a new interpreter.
+
+Run as a file (``python -I -S zygote.py <socket fd>``): with namespaces under util-linux ``unshare`` (a private mount
+namespace, and a user namespace where the trainer is not root), otherwise as a plain child of the trainer. It reads
+requests from a Unix ``SOCK_SEQPACKET`` socket, each one byte carrying five descriptors: a memfd holding the run's
+spec (``marshal``), the program's stdout and stderr, the status pipe and the trainer's end-of-life (``alive``) pipe.
+For each it forks; with namespaces the child takes fresh mount, PID, network, IPC and UTS namespaces and forks again,
+so that the run's launcher (``launcher.run``) is PID 1 of its own PID namespace. Runs share nothing but the zygote's
+user namespace, in which every program has dropped every capability.
+
+It writes one byte on the socket once ready, exits when the trainer's end of the socket closes (runs in flight end
+by themselves when their alive pipes close), and reaps every launcher (it is a child subreaper).
+"""
+
+import marshal
+import os
+import select
+import socket
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import launcher  # noqa: E402
+
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = (
+    0x20000,
+    0x4000000,
+    0x8000000,
+    0x20000000,
+    0x40000000,
+)
+RUN_NAMESPACES = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWPID | CLONE_NEWNET
+PR_SET_CHILD_SUBREAPER, PR_SET_DUMPABLE = 36, 4
+
+
+def read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def start_run(sock: socket.socket, fds: list[int]) -> None:
+    """Fork the run's launcher (in the child: never returns)."""
+    if os.fork():
+        return
+    spec_fd, stdout_fd, stderr_fd, status_fd, alive_fd = fds
+    try:
+        sock.close()
+        spec = marshal.loads(read_all(spec_fd))
+        os.close(spec_fd)
+        if spec["isolation"] == "namespaces":
+            launcher._check(launcher._libc.unshare(RUN_NAMESPACES), "unshare")
+            if os.fork():  # the next child is PID 1 of the new PID namespace; this one's work is done
+                os._exit(0)
+        else:
+            os.setsid()
+        launcher.run(spec, stdout_fd, stderr_fd, status_fd, alive_fd)
+    except BaseException as exc:  # noqa: BLE001 - reported as the sandbox's failure, not the program's
+        try:
+            os.write(status_fd, marshal.dumps({"setup_error": f"{type(exc).__name__}: {exc}"}))
+        except OSError:
+            pass
+    os._exit(0)
+
+
+def reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def serve(sock: socket.socket) -> None:
+    sock.send(b"r")
+    while True:
+        ready, _, _ = select.select([sock], [], [], 1.0)
+        reap()
+        if not ready:
+            continue
+        try:
+            message, fds, _, _ = socket.recv_fds(sock, 16, 8)
+        except OSError:
+            return
+        if not message:  # the trainer is gone
+            return
+        if len(fds) == 5:
+            start_run(sock, fds)
+        for fd in fds:
+            os.close(fd)
+
+
+def main() -> None:
+    launcher._libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    launcher._libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    for number in launcher.SHIELDED:
+        launcher.signal.signal(number, launcher.signal.SIG_IGN)
+    serve(socket.socket(fileno=int(sys.argv[1])))
+
+
+if __name__ == "__main__":
+    main()
