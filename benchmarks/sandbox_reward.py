@@ -62,12 +62,13 @@ class Unsandboxed:
 
 def per_call_ms(calls: int) -> dict[str, list[float]]:
     python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    sandboxes = {isolation: Sandbox(isolation=isolation) for isolation in ("rlimits", "namespaces")}
     runners = {
         "bare subprocess": lambda: subprocess.run([python, "-I", "-S", "-c", "pass"], check=True),
-        "sandbox, rlimits": lambda: Sandbox(isolation="rlimits").run_python("pass"),
-        "sandbox, namespaces": lambda: Sandbox(isolation="namespaces").run_python("pass"),
+        "sandbox, rlimits": lambda: sandboxes["rlimits"].run_python("pass"),
+        "sandbox, namespaces": lambda: sandboxes["namespaces"].run_python("pass"),
     }
-    for run in runners.values():  # warm: page cache, the namespace probe
+    for run in runners.values():  # warm: page cache, the namespace probe, each sandbox's zygote
         run()
     times: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(calls):
