@@ -50,7 +50,7 @@ class Unsandboxed:
         folder = tempfile.mkdtemp(prefix="unsandboxed_")
         try:
             for name, text in {**(files or {}), "main.py": source}.items():
-                Path(folder, name).write_text(text)
+                Path(folder, name).write_bytes(text if isinstance(text, bytes) else text.encode())
             start = time.monotonic()
             done = subprocess.run([self.python, "-I", "-S", "main.py"], cwd=folder, input=stdin, text=True,
                                   capture_output=True, timeout=limits.wall_s if limits else 10)  # fmt: skip

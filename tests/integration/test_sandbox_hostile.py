@@ -508,3 +508,38 @@ def test_a_uid_lock_folder_planted_by_another_user_is_refused(plant, tmp_path, m
     with pytest.raises(SandboxError, match="uid lock folder"):
         Sandbox(limits=LIMITS).run_python("print(1)")
     assert not list(target.iterdir())
+
+
+CONCURRENT_DRIVER = """
+import json, sys, types
+from concurrent.futures import ThreadPoolExecutor
+package = types.ModuleType("trl_async")
+package.__path__ = [sys.argv[1] + "/trl_async"]
+sys.modules["trl_async"] = package
+from trl_async.sandbox import Limits, Sandbox
+sandbox = Sandbox(limits=Limits(processes=12, wall_s=20), isolation="namespaces", concurrency=3)
+source = (
+    "import subprocess, time\\n"
+    "children = [subprocess.Popen(['/bin/sleep', '1']) for _ in range(8)]\\n"
+    "[c.wait() for c in children]\\n"
+    "print('started', len(children))\\n"
+)
+with ThreadPoolExecutor(3) as pool:
+    results = list(pool.map(lambda _: sandbox.run_python(source), range(3)))
+print(json.dumps([[r.stdout, list(r.limits), r.exit_code] for r in results]))
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not Path("/usr/bin/python3").exists() or not Path("/usr/bin/setpriv").exists(),
+    reason="runs a trainer as an unprivileged user: needs root to switch, /usr/bin/python3 and setpriv",
+)
+def test_a_non_root_trainers_runs_count_their_processes_apart():
+    """The process limit counts per user and user namespace: each run of a non-root trainer has a user namespace of
+    its own, so three runs of 9 processes each, at once, all fit a limit of 12."""
+    done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-I",
+                           "-c", CONCURRENT_DRIVER, str(PROJECT)], capture_output=True, text=True, timeout=120,
+                          env={"PATH": os.defpath})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == [["started 8\n", [], 0]] * 3
+    assert not processes_owned_by(65534)

@@ -178,13 +178,20 @@ def test_the_uid_lock_folder_is_refused_unless_it_is_this_users_alone(tmp_path):
     assert not list((tmp_path / "elsewhere").iterdir())
 
 
-def test_a_launcher_that_never_reports_is_a_result_not_an_error():
+def test_a_launcher_that_never_reports_is_a_failed_run_only_where_the_program_could_kill_it():
     """Where the program runs as the trainer's user (rlimits, non-root), it can kill its launcher: the run then ends
-    as a failed run, not as a ``SandboxError`` through the reward."""
+    as a failed run, not as a ``SandboxError`` through the reward. Anywhere else a lost launcher is the sandbox's
+    failure; past the backstop, a run that timed out; a report that arrived counts even then."""
+    import marshal
+
     from trl_async.sandbox.runner import _report
 
-    assert _report(b"", False, "")["lost"] and _report(b"\x00garbage", False, "")["exit"] is None
+    assert _report(b"", False, lost_is_the_programs=True)["lost"]
+    assert _report(b"\x00garbage", False, lost_is_the_programs=True)["exit"] is None
+    with pytest.raises(SandboxError, match="without a report"):
+        _report(b"", False, lost_is_the_programs=False)
+    assert _report(b"", True, lost_is_the_programs=False)["timed_out"]
+    done = {"timed_out": False, "exit": 0, "signal": None}
+    assert _report(marshal.dumps(done), True, lost_is_the_programs=False) == done
     with pytest.raises(SandboxError, match="could not be set up"):
-        import marshal
-
-        _report(marshal.dumps({"setup_error": "OSError: x"}), False, "")
+        _report(marshal.dumps({"setup_error": "OSError: x"}), False, lost_is_the_programs=False)

@@ -58,6 +58,7 @@ LIMITS = {
     "open_files": resource.RLIMIT_NOFILE,
 }
 
+REAP_S = 5.0  # how long the launcher keeps killing and reaping what the program left before it reports anyway
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -362,11 +363,38 @@ def kill_all(spec: dict, pid: int) -> None:
             os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:  # nothing left
         pass
+    reap_all(time.monotonic() + REAP_S)
+
+
+def reap_all(deadline: float) -> None:
+    """Reap every child (orphans come here), SIGKILLing any still alive (one that escaped its process group with
+    ``setsid``), until none is left or the deadline passes."""
     while True:
         try:
-            os.waitpid(-1, 0)
+            pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
+        if pid:
+            continue
+        if time.monotonic() > deadline:
+            return
+        for child in children():
+            try:
+                os.kill(child, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.005)
+
+
+def children() -> list[int]:
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and int(_stat_fields(entry)[1]) == me:
+                found.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            pass
+    return found
 
 
 def run(spec: dict, stdout_fd: int, stderr_fd: int, status_fd: int, alive_fd: int) -> None:

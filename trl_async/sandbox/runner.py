@@ -169,28 +169,29 @@ class Sandbox:
             "binds": self._visible,
             "hide": self._hidden,
             "drop_uid": uid is not None,
+            "own_user_namespace": not is_root(),
             "uid": 0 if uid is None else uid,
         }
 
     def _run(self, argv, files, stdin, limits: Limits, uid: int | None) -> SandboxResult:
+        owned: list[int] = []  # every descriptor made here, closed once whatever happens
         root = tempfile.mkdtemp(prefix="trl_async_sandbox_")
-        (out_r, out_w), (err_r, err_w), (status_r, status_w) = os.pipe(), os.pipe(), os.pipe()
-        alive_r, alive_w = os.pipe()  # the launcher stops the run when this closes: the trainer is gone
-        spec = marshal.dumps(self._spec(argv, files, stdin, limits, uid, root))
         started = time.monotonic()
         try:
-            try:
-                self._zygote.start_run(spec, out_w, err_w, status_w, alive_r)
-            finally:
-                for fd in (out_w, err_w, status_w, alive_r):
-                    os.close(fd)
+            (out_r, out_w), (err_r, err_w), (status_r, status_w) = _pipe(owned), _pipe(owned), _pipe(owned)
+            alive_r, alive_w = _pipe(owned)  # the launcher stops the run when this closes: the trainer is gone
+            spec = marshal.dumps(self._spec(argv, files, stdin, limits, uid, root))
+            self._zygote.start_run(spec, out_w, err_w, status_w, alive_r)
+            for fd in (out_w, err_w, status_w, alive_r):  # the run holds them now
+                owned.remove(fd)
+                os.close(fd)
             streams = _read(out_r, err_r, status_r, limits.output_bytes, started + limits.wall_s + BACKSTOP_S)
         finally:
-            for fd in (out_r, err_r, status_r, alive_w):
-                _close(fd)
+            for fd in owned:
+                os.close(fd)
             shutil.rmtree(root, ignore_errors=True)
         stdout, stderr, status, exceeded, backstop = streams
-        report = _report(status, backstop, stderr)
+        report = _report(status, backstop, lost_is_the_programs=self.isolation == "rlimits" and not is_root())
         if report.get("lost"):
             stderr += "\n[sandbox: the run's launcher ended without a report]"
         cpu_s = report.get("cpu_s", 0.0)
@@ -214,22 +215,26 @@ class Sandbox:
         )
 
 
-def _close(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:  # closed already (the output cap)
-        pass
+def _pipe(owned: list[int]) -> tuple[int, int]:
+    r, w = os.pipe()
+    owned += [r, w]
+    return r, w
 
 
-def _report(status: bytes, backstop: bool, stderr: str) -> dict:
-    if backstop:
-        return {"timed_out": True, "exit": None, "signal": None}
+def _report(status: bytes, backstop: bool, lost_is_the_programs: bool) -> dict:
+    """The launcher's report. None at all: past the backstop, a run that timed out; otherwise a launcher killed
+    mid-run, which only the program can have done where it runs as the trainer's user (``lost_is_the_programs``: a
+    failed run) and is the sandbox's failure anywhere else."""
     try:
         report = marshal.loads(status) if status else None
     except (EOFError, ValueError, TypeError):
         report = None
-    if report is None:  # the launcher was killed mid-run: by the program itself where it runs as the trainer's user
-        return {"timed_out": False, "exit": None, "signal": None, "lost": True}
+    if not isinstance(report, dict):
+        if backstop:
+            return {"timed_out": True, "exit": None, "signal": None}
+        if lost_is_the_programs:
+            return {"timed_out": False, "exit": None, "signal": None, "lost": True}
+        raise SandboxError("the sandbox's launcher ended without a report")
     if "setup_error" in report:
         raise SandboxError(f"the sandbox could not be set up: {report['setup_error']}")
     return report
@@ -269,10 +274,19 @@ def _read(out_fd: int, err_fd: int, status_fd: int, cap: int, deadline: float):
                 if key.fd != status_fd and len(buf) > cap:
                     del buf[cap:]
                     exceeded = True
-            if exceeded:
+            if exceeded:  # the program's next write gets SIGPIPE; the numbers stay the caller's, to close once
                 for fd in (out_fd, err_fd):
                     if fd in sel.get_map():
                         sel.unregister(fd)
-                        os.close(fd)
+                        _detach(fd)
     text = lambda buf: buf.decode(errors="replace")  # noqa: E731
     return text(kept[out_fd]), text(kept[err_fd]), bytes(kept[status_fd]), exceeded, backstop
+
+
+def _detach(fd: int) -> None:
+    """Close the pipe behind ``fd`` but keep the number (now /dev/null): no other thread can be given it meanwhile."""
+    null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.dup2(null, fd, inheritable=False)
+    finally:
+        os.close(null)

@@ -22,13 +22,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import launcher  # noqa: E402
 
-CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = (
-    0x20000,
-    0x4000000,
-    0x8000000,
-    0x20000000,
-    0x40000000,
-)
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER = 0x20000, 0x4000000, 0x8000000, 0x10000000
+CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
 RUN_NAMESPACES = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWPID | CLONE_NEWNET
 PR_SET_CHILD_SUBREAPER, PR_SET_DUMPABLE = 36, 4
 
@@ -40,28 +35,47 @@ def read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
+def own_user_namespace() -> None:
+    """Where the trainer is not root: a user namespace of the run's own, where it is root (uid and gid 0 mapped to
+    the zygote's), so that per-user counts (``RLIMIT_NPROC``, pending signals, inotify) are the run's alone."""
+    for name, text in (("setgroups", "deny"), ("uid_map", "0 0 1"), ("gid_map", "0 0 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+
+
 def start_run(sock: socket.socket, fds: list[int]) -> None:
     """Fork the run's launcher (in the child: never returns)."""
-    if os.fork():
-        return
     spec_fd, stdout_fd, stderr_fd, status_fd, alive_fd = fds
+    try:
+        if os.fork():
+            return
+    except OSError as exc:  # no process for the run: its report says so, the zygote goes on
+        report_setup_error(status_fd, exc)
+        return
     try:
         sock.close()
         spec = marshal.loads(read_all(spec_fd))
         os.close(spec_fd)
         if spec["isolation"] == "namespaces":
-            launcher._check(launcher._libc.unshare(RUN_NAMESPACES), "unshare")
+            user = CLONE_NEWUSER if spec["own_user_namespace"] else 0
+            launcher._check(launcher._libc.unshare(RUN_NAMESPACES | user), "unshare")
+            if user:
+                own_user_namespace()
             if os.fork():  # the next child is PID 1 of the new PID namespace; this one's work is done
                 os._exit(0)
         else:
             os.setsid()
         launcher.run(spec, stdout_fd, stderr_fd, status_fd, alive_fd)
     except BaseException as exc:  # noqa: BLE001 - reported as the sandbox's failure, not the program's
-        try:
-            os.write(status_fd, marshal.dumps({"setup_error": f"{type(exc).__name__}: {exc}"}))
-        except OSError:
-            pass
+        report_setup_error(status_fd, exc)
     os._exit(0)
+
+
+def report_setup_error(status_fd: int, exc: BaseException) -> None:
+    try:
+        os.write(status_fd, marshal.dumps({"setup_error": f"{type(exc).__name__}: {exc}"}))
+    except OSError:
+        pass
 
 
 def reap() -> None:

@@ -14,6 +14,8 @@ import weakref
 from .isolation import ZYGOTE, zygote_unshare_args
 
 READY_TIMEOUT_S = 60.0
+SEND_TIMEOUT_S = 30.0  # a zygote that takes no run for this long is replaced
+_ZYGOTES: weakref.WeakSet = weakref.WeakSet()
 
 
 class SandboxError(RuntimeError):
@@ -29,6 +31,7 @@ class Zygote:
         self._proc: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
         self._finalizer: weakref.finalize | None = None
+        _ZYGOTES.add(self)
 
     def start_run(self, spec: bytes, stdout_fd: int, stderr_fd: int, status_fd: int, alive_fd: int) -> None:
         """Hand one run to the zygote; its report arrives on ``status_fd``. The descriptors stay the caller's."""
@@ -70,7 +73,12 @@ class Zygote:
         self._sock = ours
         self._finalizer = weakref.finalize(self, _shutdown, self._proc, ours)  # at exit too: the zygote is reaped
         ready, _, _ = select.select([ours], [], [], READY_TIMEOUT_S)
-        if not ready or ours.recv(1) != b"r":
+        try:
+            said = ours.recv(1) if ready else b""
+        except OSError:
+            said = b""
+        ours.settimeout(SEND_TIMEOUT_S)
+        if said != b"r":
             self._proc.kill()
             why = self._proc.communicate()[1].decode(errors="replace").strip()
             self._stop()
@@ -86,6 +94,16 @@ class Zygote:
         with self._lock:
             self._stop()
 
+    def _forget_in_child(self) -> None:
+        """In a forked copy of the trainer: this process's copy of the socket closes (the zygote must still see the
+        trainer's end close), and a run here starts a zygote of its own."""
+        self._lock = threading.Lock()
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        if self._sock is not None:
+            self._sock.close()
+        self._proc, self._sock, self._finalizer = None, None, None
+
 
 def _shutdown(proc: subprocess.Popen, sock: socket.socket) -> None:
     """Close the zygote's socket (it exits when it sees this) and reap it."""
@@ -97,3 +115,11 @@ def _shutdown(proc: subprocess.Popen, sock: socket.socket) -> None:
         proc.wait()
     if proc.stderr and not proc.stderr.closed:
         proc.stderr.close()
+
+
+def _after_fork_in_child() -> None:
+    for zygote in list(_ZYGOTES):
+        zygote._forget_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
