@@ -31,7 +31,8 @@ import resource
 import select
 import time
 
-import syscall_filter  # this folder's, on sys.path through zygote.py
+import python_here  # this folder's, on sys.path through zygote.py
+import syscall_filter
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 21
@@ -239,6 +240,10 @@ def start_program(spec: dict, workdir: str, status_fd: int) -> int:
         new_session_keyring()
         drop_privileges(spec)
         syscall_filter.deny_syscalls()
+        if spec.get("python_main"):  # run_python: this interpreter runs it, as a new one would
+            os.close(failed_w)
+            _libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+            python_here.run(spec["python_main"], spec["env"], os.path.dirname(os.path.abspath(__file__)))
         os.execve(spec["argv"][0], spec["argv"], spec["env"])
     except BaseException as exc:  # noqa: BLE001 - reported to the launcher, which reports a setup error
         os.write(failed_w, f"{type(exc).__name__}: {exc}".encode(errors="replace"))

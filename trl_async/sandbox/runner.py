@@ -123,12 +123,8 @@ class Sandbox:
         files = check_files(files)
         if "main.py" in files:
             raise ValueError("files must not hold 'main.py': run_python writes the source there.")
-        return self.run(
-            [self._python, "-I", "-S", "main.py"],
-            files={**files, "main.py": source},
-            stdin=stdin,
-            limits=limits,
-        )
+        argv = [self._python, "-I", "-S", "main.py"]
+        return self._submit(argv, {**files, "main.py": source}, stdin, limits, python_main="main.py")
 
     def run(
         self,
@@ -143,14 +139,19 @@ class Sandbox:
         UTF-8, bytes as they are, None for none). Blocks the calling thread until it ends. A wrong argument raises
         ``ValueError`` naming it, before anything runs; a failure of the sandbox itself raises ``SandboxError``;
         whatever the program does comes back in the result."""
+        return self._submit(argv, files, stdin, limits, python_main=None)
+
+    def _submit(self, argv, files, stdin, limits, python_main: str | None) -> SandboxResult:
         argv = check_argv(argv)
         files = check_files(files)
         stdin = check_stdin(stdin)
         limits = check_limits(limits, self.limits)
+        if argv[0] != self._zygote.python:  # only the interpreter already running can run the program in place
+            python_main = None
         with self._free:
             uid = RunUid()
             try:
-                return self._run(argv, files, stdin, limits, uid.uid)
+                return self._run(argv, files, stdin, limits, uid.uid, python_main)
             finally:
                 uid.close()
 
@@ -173,14 +174,14 @@ class Sandbox:
             "uid": 0 if uid is None else uid,
         }
 
-    def _run(self, argv, files, stdin, limits: Limits, uid: int | None) -> SandboxResult:
+    def _run(self, argv, files, stdin, limits: Limits, uid: int | None, python_main: str | None) -> SandboxResult:
         owned: list[int] = []  # every descriptor made here, closed once whatever happens
         root = tempfile.mkdtemp(prefix="trl_async_sandbox_")
         started = time.monotonic()
         try:
             (out_r, out_w), (err_r, err_w), (status_r, status_w) = _pipe(owned), _pipe(owned), _pipe(owned)
             alive_r, alive_w = _pipe(owned)  # the launcher stops the run when this closes: the trainer is gone
-            spec = marshal.dumps(self._spec(argv, files, stdin, limits, uid, root))
+            spec = marshal.dumps({**self._spec(argv, files, stdin, limits, uid, root), "python_main": python_main})
             self._zygote.start_run(spec, out_w, err_w, status_w, alive_r)
             for fd in (out_w, err_w, status_w, alive_r):  # the run holds them now
                 owned.remove(fd)

@@ -27,6 +27,7 @@ class Zygote:
 
     def __init__(self, isolation: str) -> None:
         self.isolation = isolation
+        self.python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))  # the zygote's interpreter
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
@@ -59,8 +60,7 @@ class Zygote:
     def _start(self) -> None:
         self._stop()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
-        launch = [python, "-I", "-S", ZYGOTE, str(theirs.fileno())]
+        launch = [self.python, "-I", "-S", ZYGOTE, str(theirs.fileno())]
         command = [*zygote_unshare_args(), "--", *launch] if self.isolation == "namespaces" else launch
         try:
             self._proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
