@@ -161,10 +161,13 @@ def main() -> None:
         f"whose tests take {' or '.join(map(str, cli.test_ms))} ms (sleeping), 2 programs at once, sandboxed or in a "
         f"bare subprocess; {cli.steps} measured steps after {cli.warmup} of warm-up, 32 completions per step.\n\n"
         f"{table}\n\n"
-        "Where the time goes: each sandboxed program starts two Python interpreters (the launcher and the program) "
-        "and builds its namespaces, CPU work that shares the cores with generation and training, while the tests' "
-        "sleep does not. With 2 programs at once on both sides, the reward's throughput caps sync and async alike "
-        "once the tests are long; async gains only what it overlaps.\n\n"
+        "Where the time goes: a sandbox keeps one zygote process, which forks each run's launcher into fresh "
+        "namespaces and mounts its root; `run_python` then runs the program in a fork of that already-started "
+        "interpreter, so a sandboxed program skips the Python start that the bare subprocess pays, and costs about "
+        "what the namespaces and mounts cost more. A root trainer's `rlimits` runs execute the system Python as a "
+        "uid of their own (the base installation is private here), so they pay the start. With 2 programs at once "
+        "on both sides, the reward's throughput caps sync and async alike once the tests are long; async gains only "
+        "what it overlaps.\n\n"
         "![](results/sandbox_reward.png)",
     )
     print(overhead_table)

@@ -188,6 +188,12 @@ CASES = {
         "    print('HOARDED memfd')\n"
         "except OSError as exc:\n"
         "    print('refused memfd', type(exc).__name__)\n"
+        "for name in ('shmmax', 'shmall', 'shmmni'):\n"
+        "    try:\n"
+        "        open('/proc/sys/kernel/' + name, 'w').write('1000000000')\n"
+        "        print('RAISED', name)\n"
+        "    except OSError:\n"
+        "        print('refused', name)\n"
         "segment = libc.shmget(0, 1 << 26, 0o1000 | 0o600)\n"
         "print('HOARDED shm' if segment >= 0 else 'refused shm')\n"
     ),
@@ -229,6 +235,18 @@ CASES = {
         "t = threading.Thread(target=print, args=('threads still start',))\n"
         "t.start()\n"
         "t.join()\n"
+    ),
+    "holds_capabilities": (
+        "import ctypes, socket\n"
+        "caps = {{l.split(':')[0]: int(l.split(':')[1], 16) for l in open('/proc/self/status') if l.startswith('Cap')}}\n"
+        "print('CAPS', caps['CapEff'], caps['CapPrm'], caps['CapAmb'])\n"
+        "try:\n"
+        "    socket.socket(socket.AF_INET, socket.SOCK_RAW, 1)\n"
+        "    print('OPENED raw socket')\n"
+        "except OSError:\n"
+        "    print('refused raw socket')\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "print('RENAMED host' if libc.sethostname(b'pwned', 5) == 0 else 'refused sethostname')\n"
     ),
     "child_exceeds_cpu": (
         "import subprocess\n"
@@ -291,6 +309,7 @@ def check_contained(case: str, result, world: dict) -> None:
         assert result.ok and "LEFT" in out
     elif case == "hides_memory_outside_its_limit":
         assert "HOARDED" not in out and "refused memfd PermissionError" in out and "refused shm" in out, out
+        assert "RAISED" not in out, out
     elif case == "reads_the_keyring":
         assert "FOUND KEY" not in out and "trl_async_planted" not in out, out
     elif case == "opens_other_socket_families":
@@ -301,6 +320,8 @@ def check_contained(case: str, result, world: dict) -> None:
                 world["vsock"].accept()
     elif case == "makes_namespaces":
         assert "MADE" not in out and out.count("True") == 4 and "threads still start" in out, out
+    elif case == "holds_capabilities":  # none, though run_python starts no new interpreter (no execve drops them)
+        assert "CAPS 0 0 0" in out and "refused raw socket" in out and "refused sethostname" in out, out
     elif case == "child_exceeds_cpu":
         assert "cpu_time" in result.limits and not result.ok, (result.limits, out)
     elif case == "imports_the_trainer":
@@ -362,8 +383,9 @@ def test_training_goes_on_while_its_reward_runs_the_hostile_programs(tmp_path, t
 
     sandbox = Sandbox(limits=LIMITS, isolation="namespaces")
     names = list(CASES)
-    # 16 rows, each consumed once by 4 steps of 4 groups: every program runs
-    dataset = Dataset.from_list([{"prompt": f"q{i}:", "case": names[i % len(names)]} for i in range(16)])
+    # 20 rows, each consumed once by 5 steps of 4 groups: every program runs
+    dataset = Dataset.from_list([{"prompt": f"q{i}:", "case": names[i % len(names)]} for i in range(20)])
+    assert len(names) <= 20
     ran = []
 
     def hostile_reward(completions, case, **kwargs):
@@ -374,11 +396,11 @@ def test_training_goes_on_while_its_reward_runs_the_hostile_programs(tmp_path, t
         return [float(result.ok) for result in results]
 
     trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=hostile_reward,
-                               args=async_args(tmp_path, max_steps=4, num_generations=2, rollout_timeout_s=120),
+                               args=async_args(tmp_path, max_steps=5, num_generations=2, rollout_timeout_s=120),
                                train_dataset=dataset)  # fmt: skip
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    assert trainer.state.global_step == 4 and len(losses) == 4 and all(math.isfinite(x) for x in losses)
+    assert trainer.state.global_step == 5 and len(losses) == 5 and all(math.isfinite(x) for x in losses)
     assert len({name for name, _ in ran}) == len(names)  # every program ran at least once
     assert world["secret"] not in json.dumps(trainer.state.log_history) + "".join(text for _, text in ran)
     assert not sandbox_processes() and not processes_named(world["marker"])

@@ -38,6 +38,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 21
 MNT_DETACH = 2
 PR_SET_NO_NEW_PRIVS, PR_SET_SECUREBITS, PR_CAPBSET_DROP, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 38, 28, 24, 4, 36
+PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 SECBIT_NOROOT_ALL = 0x3 | 0xC | 0x30  # noroot, no_setuid_fixup, keep_caps_locked (each with its lock)
 DEVICES = ("null", "zero", "full", "random", "urandom")
 KEYCTL_SYSCALL = {"x86_64": 250, "aarch64": 219}
@@ -136,6 +137,8 @@ def build_root(spec: dict) -> None:
         mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     except OSError:
         pass
+    else:  # the run's IPC limits (/proc/sys/kernel/shm*) belong to its own root: read-only, so they stay as set
+        bind_read_only(root + "/proc/sys", root + "/proc/sys")
     scratch = root + "/.scratch"
     os.mkdir(scratch)
     mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['disk_bytes']},mode=755")
@@ -194,8 +197,17 @@ def new_session_keyring() -> None:
         _libc.syscall(number, 1, None)  # KEYCTL_JOIN_SESSION_KEYRING, anonymous
 
 
+class _CapHeader(ctypes.Structure):  # struct __user_cap_header_struct
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):  # struct __user_cap_data_struct
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
 def drop_privileges(spec: dict) -> None:
-    """Everything that only takes away: no capability survives the exec, and none can be regained."""
+    """Everything that only takes away: no capability is held now (not only after an exec: ``run_python`` runs the
+    program without one), and none can be regained."""
     for cap in range(64):
         _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)  # EINVAL past the last capability; EPERM without CAP_SETPCAP
     if spec["drop_uid"]:
@@ -204,7 +216,13 @@ def drop_privileges(spec: dict) -> None:
         os.setresuid(spec["uid"], spec["uid"], spec["uid"])
     elif spec["isolation"] == "namespaces":  # root of a user namespace: uid 0 must not bring capabilities back
         _check(_libc.prctl(PR_SET_SECUREBITS, SECBIT_NOROOT_ALL, 0, 0, 0), "securebits")
+    _libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    _check(_libc.capset(ctypes.byref(_CapHeader(0x20080522, 0)), (_CapData * 2)()), "capset")  # version 3, all 0
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    held = (_CapData * 2)()
+    _check(_libc.capget(ctypes.byref(_CapHeader(0x20080522, 0)), held), "capget")
+    if any(d.effective or d.permitted or d.inheritable for d in held):
+        raise OSError("capabilities are still held after dropping them all")
 
 
 def start_program(spec: dict, workdir: str, status_fd: int) -> int:
@@ -241,9 +259,11 @@ def start_program(spec: dict, workdir: str, status_fd: int) -> int:
         drop_privileges(spec)
         syscall_filter.deny_syscalls()
         if spec.get("python_main"):  # run_python: this interpreter runs it, as a new one would
+            main, env, argv = spec["python_main"], spec["env"], spec["argv"]
+            spec.clear()  # the frames above stay reachable to the program: they keep nothing of the spec
             os.close(failed_w)
             _libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
-            python_here.run(spec["python_main"], spec["env"], os.path.dirname(os.path.abspath(__file__)))
+            python_here.run(main, env, argv, os.path.dirname(os.path.abspath(__file__)))
         os.execve(spec["argv"][0], spec["argv"], spec["env"])
     except BaseException as exc:  # noqa: BLE001 - reported to the launcher, which reports a setup error
         os.write(failed_w, f"{type(exc).__name__}: {exc}".encode(errors="replace"))
@@ -410,7 +430,7 @@ def run(spec: dict, stdout_fd: int, stderr_fd: int, status_fd: int, alive_fd: in
     for fd in (stdout_fd, stderr_fd):
         os.close(fd)
     _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of the program come here, to be killed and reaped
-    spec = {**spec, "alive_fd": alive_fd}
+    spec["alive_fd"] = alive_fd  # one dict, so that the program's process can clear it for every frame
     try:
         if spec["isolation"] == "namespaces":
             build_root(spec)

@@ -14,6 +14,7 @@ import weakref
 from .isolation import ZYGOTE, zygote_unshare_args
 
 READY_TIMEOUT_S = 60.0
+ZYGOTE_ENV = {"PATH": os.defpath, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}  # the programs' locale: the same stdio
 SEND_TIMEOUT_S = 30.0  # a zygote that takes no run for this long is replaced
 _ZYGOTES: weakref.WeakSet = weakref.WeakSet()
 
@@ -65,7 +66,7 @@ class Zygote:
         try:
             self._proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.PIPE, pass_fds=(theirs.fileno(),),
-                                          env={"PATH": os.defpath}, start_new_session=True)  # fmt: skip
+                                          env=ZYGOTE_ENV, start_new_session=True)  # fmt: skip
         except OSError as exc:
             raise SandboxError(f"could not start the sandbox's zygote: {exc}") from exc
         finally:
