@@ -159,6 +159,10 @@ CASES = {
         "    print('refused -1', type(exc).__name__)\n"
     ),
     "floods_stdout": "while True:\n    print('x' * 1000)\n",
+    "floods_stdout_and_stays": (
+        "import time\ntry:\n    while True:\n        print('x' * 1000, flush=True)\nexcept BrokenPipeError:\n    pass\n"
+        "time.sleep(60)\n"
+    ),
     "leaves_a_sleeping_child": (
         "import os, subprocess\n"
         "subprocess.Popen(['/bin/sleep', '{marker}'], start_new_session=True)\n"
@@ -303,6 +307,8 @@ def check_contained(case: str, result, world: dict) -> None:
         # non-root trainer's program may "signal" it without effect) and still reports the program's exit
         assert f"SIGNALLED {os.getpid()}" not in out and f"SIGNALLED {world['victim']}" not in out and result.ok, out
         os.kill(world["victim"], 0)  # still alive
+    elif case == "floods_stdout_and_stays":  # the output limit ends the run, not the wall clock
+        assert result.limits == ("output",) and result.seconds < 2, (result.limits, result.seconds)
     elif case == "floods_stdout":
         assert result.limits == ("output",) and len(result.stdout) == LIMITS.output_bytes
     elif case == "leaves_a_sleeping_child":
@@ -385,7 +391,7 @@ def test_training_goes_on_while_its_reward_runs_the_hostile_programs(tmp_path, t
     names = list(CASES)
     # 20 rows, each consumed once by 5 steps of 4 groups: every program runs
     dataset = Dataset.from_list([{"prompt": f"q{i}:", "case": names[i % len(names)]} for i in range(20)])
-    assert len(names) <= 20
+    assert len(names) <= 20, "more programs than rows: raise max_steps"
     ran = []
 
     def hostile_reward(completions, case, **kwargs):

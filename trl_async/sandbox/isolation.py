@@ -1,8 +1,11 @@
-"""The isolation levels, what the machine allows, and the command that starts the launcher at a level.
+"""The isolation levels, what the machine allows, and the command that starts a sandbox's zygote at a level.
 
-``"namespaces"``: util-linux ``unshare`` gives the run fresh PID, mount, network, IPC and UTS namespaces (and a
-user namespace when the trainer is not root). ``"rlimits"``: resource limits, a scrubbed environment and a process
-group, nothing more. ``"auto"`` takes namespaces where the kernel allows them and otherwise rlimits, with a warning.
+``"namespaces"``: util-linux ``unshare`` gives the zygote a private mount namespace (and a user namespace where the
+trainer is not root); each run then takes fresh PID, mount, network, IPC and UTS namespaces of its own (and its own
+user namespace where the trainer is not root). ``"rlimits"``: resource limits, a scrubbed environment, a process
+group, every capability dropped, ``no_new_privs``, a new session keyring and the seccomp filter (and, for a root
+trainer, a uid of its own). ``"auto"`` takes namespaces where the kernel allows them and otherwise rlimits, with a
+warning.
 """
 
 from __future__ import annotations

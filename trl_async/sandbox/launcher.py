@@ -2,7 +2,7 @@
 budget, reports, cleans up.
 
 Imported by ``zygote.py``, whose fresh fork runs ``run`` once per run; it imports nothing outside the standard
-library (and this folder's ``syscall_filter``), so it never loads the trainer's code. With ``"namespaces"`` it runs
+library (and this folder's ``syscall_filter`` and ``python_here``), so it never loads the trainer's code. With ``"namespaces"`` it runs
 as the init process (pid 1) of fresh PID, mount, network, IPC and UTS namespaces; with ``"rlimits"`` as a plain
 process.
 
@@ -12,14 +12,14 @@ Steps, in order:
    a ``/proc`` of the new PID namespace, and one size-capped tmpfs shared by ``/sandbox`` (the working directory)
    and ``/tmp``; then ``chroot`` into it.
 2. The program's files and stdin.
-3. A child that sets resource limits, drops privileges (another uid when the launcher is real root, every
-   capability and ``no_new_privs`` otherwise), installs the seccomp filter, then executes the program with a scrubbed
-   environment: a new interpreter, holding nothing of the zygote's memory.
+3. A child that sets resource limits, drops privileges (another uid when the launcher is real root; in every case
+   every capability, and ``no_new_privs``), installs the seccomp filter, then executes the program with a scrubbed
+   environment, or, for ``run_python``, runs it in this interpreter (``python_here``).
 4. Wait for it until the wall clock runs out, the run's processes together have used their CPU time, or the
    trainer's end of the ``alive`` pipe closes; then kill everything left (in its own PID namespace: every process but
    this one; otherwise every process of the run's uid, or its process group), reap it all (the launcher is a child
    subreaper, so orphans come back to it, and every process's CPU time adds up in its own), and write
-   ``{"exit": ..., "signal": ..., "timed_out": ..., "cpu_s": ...}`` (marshal) to the status pipe. A setup failure,
+   ``{"exit", "signal", "timed_out", "cpu_stopped", "cpu_s", "seconds", "disk_full"}`` (marshal) to the status pipe. A setup failure,
    the program's start included (before its ``execve``), writes ``{"setup_error": ...}`` instead.
 """
 
@@ -257,7 +257,7 @@ def start_program(spec: dict, workdir: str, status_fd: int) -> int:
             signal.signal(number, signal.SIG_DFL)
         new_session_keyring()
         drop_privileges(spec)
-        syscall_filter.deny_syscalls()
+        syscall_filter.install(syscall_filter.FILTER)
         if spec.get("python_main"):  # run_python: this interpreter runs it, as a new one would
             main, env, argv = spec["python_main"], spec["env"], spec["argv"]
             spec.clear()  # the frames above stay reachable to the program: they keep nothing of the spec

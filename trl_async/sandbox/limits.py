@@ -33,7 +33,7 @@ class Limits:
     cpu_s: float = 10  # CPU seconds of all the run's processes together, then every process of the run is killed
     memory_mib: int = 512  # address space per process
     processes: int = 32  # processes and threads at once (fork bombs stop here)
-    output_bytes: int = 64 * 1024  # stdout and stderr, each; more kills the run
+    output_bytes: int = 64 * 1024  # stdout and stderr, each; more ends the run
     file_mib: int = 16  # the largest file it may write
     disk_mib: int = 64  # working directory plus /tmp
     open_files: int = 256

@@ -11,7 +11,7 @@ So the candidate's process never holds an expected value, and nothing it does (a
 answers True, a redefined ``repr``, a patched ``assert``, a report printed early, the harness's frames) takes part in
 the verdict: a test passes exactly when the values the candidate's calls returned satisfy it. A test that cannot be
 split this way (several statements, a comprehension over candidate calls, a helper the test defines) is
-``UNSPLITTABLE``; the reward refuses it, or runs it whole in the candidate's process when told to, where it can be
+``Unsplittable``; the reward refuses it, or runs it whole in the candidate's process when told to, where it can be
 forged.
 """
 

@@ -109,7 +109,7 @@ class Sandbox:
         self._zygote = Zygote(self.isolation)
 
     def close(self) -> None:
-        """Stop this sandbox's zygote (runs in flight finish first). A later run starts a new one."""
+        """Stop this sandbox's zygote (runs in flight go on to their end). A later run starts a new one."""
         self._zygote.close()
 
     def run_python(
@@ -186,7 +186,8 @@ class Sandbox:
             for fd in (out_w, err_w, status_w, alive_r):  # the run holds them now
                 owned.remove(fd)
                 os.close(fd)
-            streams = _read(out_r, err_r, status_r, limits.output_bytes, started + limits.wall_s + BACKSTOP_S)
+            deadline = started + limits.wall_s + BACKSTOP_S
+            streams = _read(out_r, err_r, status_r, alive_w, limits.output_bytes, deadline)
         finally:
             for fd in owned:
                 os.close(fd)
@@ -241,12 +242,12 @@ def _report(status: bytes, backstop: bool, lost_is_the_programs: bool) -> dict:
     return report
 
 
-def _read(out_fd: int, err_fd: int, status_fd: int, cap: int, deadline: float):
+def _read(out_fd: int, err_fd: int, status_fd: int, alive_fd: int, cap: int, deadline: float):
     """Read stdout, stderr and the status pipe to their ends, keeping ``cap`` bytes of each stream. More than that on
-    either closes both (the program's next write ends it with SIGPIPE, or the wall clock does); the deadline, a
+    either closes both and ``alive_fd``, which ends the run (its launcher kills it and reports); the deadline, a
     backstop past the wall clock, stops the reading."""
     kept = {out_fd: bytearray(), err_fd: bytearray(), status_fd: bytearray()}
-    exceeded = backstop = False
+    exceeded = backstop = stopped = False
     reported = deadline
     with selectors.DefaultSelector() as sel:
         for fd in kept:
@@ -275,11 +276,13 @@ def _read(out_fd: int, err_fd: int, status_fd: int, cap: int, deadline: float):
                 if key.fd != status_fd and len(buf) > cap:
                     del buf[cap:]
                     exceeded = True
-            if exceeded:  # the program's next write gets SIGPIPE; the numbers stay the caller's, to close once
-                for fd in (out_fd, err_fd):
+            if exceeded and not stopped:  # once: the launcher ends the run when alive_fd closes
+                stopped = True
+                for fd in (out_fd, err_fd):  # the numbers stay the caller's, to close once
                     if fd in sel.get_map():
                         sel.unregister(fd)
                         _detach(fd)
+                _detach(alive_fd)
     text = lambda buf: buf.decode(errors="replace")  # noqa: E731
     return text(kept[out_fd]), text(kept[err_fd]), bytes(kept[status_fd]), exceeded, backstop
 

@@ -6,8 +6,8 @@ namespace, and a user namespace where the trainer is not root), otherwise as a p
 requests from a Unix ``SOCK_SEQPACKET`` socket, each one byte carrying five descriptors: a memfd holding the run's
 spec (``marshal``), the program's stdout and stderr, the status pipe and the trainer's end-of-life (``alive``) pipe.
 For each it forks; with namespaces the child takes fresh mount, PID, network, IPC and UTS namespaces and forks again,
-so that the run's launcher (``launcher.run``) is PID 1 of its own PID namespace. Runs share nothing but the zygote's
-user namespace, in which every program has dropped every capability.
+so that the run's launcher (``launcher.run``) is PID 1 of its own PID namespace; where the trainer is not root, the
+run also gets a user namespace of its own inside the zygote's.
 
 It writes one byte on the socket once ready, exits when the trainer's end of the socket closes (runs in flight end
 by themselves when their alive pipes close), and reaps every launcher (it is a child subreaper).
