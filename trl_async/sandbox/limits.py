@@ -45,10 +45,11 @@ class Limits:
                 raise ValueError(f"Limits.{f.name} {problem}")
 
     def rlimits(self) -> dict[str, int]:
-        """The values the launcher sets with ``setrlimit`` (CPU time per process: no process alone may pass the
-        run's budget)."""
+        """The values the launcher sets with ``setrlimit``. CPU time per process is a backstop a second past the
+        run's budget: the launcher, which watches the whole run, stops it at the budget first, and so sees it
+        stopped (a process the kernel stops is seen only by its parent)."""
         return {
-            "cpu_s": math.ceil(self.cpu_s),
+            "cpu_s": math.ceil(self.cpu_s) + 1,
             "memory_bytes": self.memory_mib * MIB,
             "processes": self.processes,
             "file_bytes": self.file_mib * MIB,
