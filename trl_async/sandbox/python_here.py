@@ -20,7 +20,7 @@ import os
 import sys
 import types
 
-SANDBOX_MODULES = ("launcher", "syscall_filter", "python_here", "zygote")
+SANDBOX_MODULES = ("launcher", "libc", "python_here", "root", "syscall_filter", "zygote")
 LONG_MAX = (1 << 63) - 1
 
 

@@ -21,6 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import launcher  # noqa: E402
+import libc  # noqa: E402
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER = 0x20000, 0x4000000, 0x8000000, 0x10000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
@@ -58,7 +59,7 @@ def start_run(sock: socket.socket, fds: list[int]) -> None:
         os.close(spec_fd)
         if spec["isolation"] == "namespaces":
             user = CLONE_NEWUSER if spec["own_user_namespace"] else 0
-            launcher._check(launcher._libc.unshare(RUN_NAMESPACES | user), "unshare")
+            libc.check(libc.LIBC.unshare(RUN_NAMESPACES | user), "unshare")
             if user:
                 own_user_namespace()
             if os.fork():  # the next child is PID 1 of the new PID namespace; this one's work is done
@@ -108,8 +109,8 @@ def serve(sock: socket.socket) -> None:
 
 
 def main() -> None:
-    launcher._libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
-    launcher._libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    libc.LIBC.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    libc.LIBC.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     for number in launcher.SHIELDED:
         launcher.signal.signal(number, launcher.signal.SIG_IGN)
     serve(socket.socket(fileno=int(sys.argv[1])))
