@@ -195,3 +195,12 @@ def test_a_launcher_that_never_reports_is_a_failed_run_only_where_the_program_co
     assert _report(marshal.dumps(done), True, lost_is_the_programs=False) == done
     with pytest.raises(SandboxError, match="could not be set up"):
         _report(marshal.dumps({"setup_error": "OSError: x"}), False, lost_is_the_programs=False)
+
+
+def test_a_machine_without_libseccomp_is_warned_about(monkeypatch):
+    monkeypatch.setattr(iso, "seccomp_missing", lambda: "libseccomp is not installed, so ...")
+    from trl_async.sandbox import runner
+
+    monkeypatch.setattr(runner, "seccomp_missing", iso.seccomp_missing)
+    with pytest.warns(RuntimeWarning, match="libseccomp is not installed"):
+        runner.Sandbox(isolation="rlimits")

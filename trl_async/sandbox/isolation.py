@@ -10,6 +10,7 @@ warning.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import shutil
@@ -89,6 +90,20 @@ def namespaces_refusal() -> str | None:
             f"the kernel refused new namespaces ({why}); unprivileged user namespaces may be disabled "
             "(`sysctl kernel.unprivileged_userns_clone=1`, or AppArmor's `kernel.apparmor_restrict_unprivileged_"
             "userns=0`), or a container's seccomp profile forbids `unshare`"
+        )
+    return None
+
+
+@functools.cache
+def seccomp_missing() -> str | None:
+    """Why programs will run without the seccomp filter (None when libseccomp is there): warned about once."""
+    try:
+        ctypes.CDLL("libseccomp.so.2")
+    except OSError:
+        return (
+            "libseccomp is not installed, so sandboxed programs run without the seccomp filter: the calls and socket "
+            "families it refuses (vsock, netlink, namespaces, keyrings, memfd_create) stay open to them. Install it "
+            "(Debian/Ubuntu: `apt install libseccomp2`)."
         )
     return None
 

@@ -55,6 +55,7 @@ LIMITS = {
     "open_files": resource.RLIMIT_NOFILE,
 }
 
+POLL_MAX_S = 0.25  # the longest the run's CPU time goes unchecked once its first check is due
 REAP_S = 5.0  # how long the launcher keeps killing and reaping what the program left before it reports anyway
 _libc, _check = libc.LIBC, libc.check
 
@@ -196,7 +197,7 @@ def wait_for(spec: dict, pid: int, deadline: float, alive_fd: int) -> tuple[int 
     (``"cpu"``, checked no sooner than all cores together could have used it), or when ``alive_fd`` (the trainer's
     end of a pipe) closes (``"trainer"``)."""
     pidfd = os.pidfd_open(pid)
-    budget, cores = spec["cpu_s"], max(1, len(os.sched_getaffinity(0)))
+    budget, cores = spec["cpu_s"], os.cpu_count() or 1  # all of them: a program may widen its own affinity
     check = time.monotonic() + budget / cores
     while True:
         now = time.monotonic()
@@ -206,7 +207,7 @@ def wait_for(spec: dict, pid: int, deadline: float, alive_fd: int) -> tuple[int 
             used = run_cpu_s(spec, pid)
             if used >= budget:
                 return None, "cpu"
-            check = now + max(0.02, (budget - used) / cores)
+            check = now + min(POLL_MAX_S, max(0.02, (budget - used) / cores))
         ready, _, _ = select.select([pidfd, alive_fd], [], [], min(deadline, check) - now)
         if alive_fd in ready:
             return None, "trainer"

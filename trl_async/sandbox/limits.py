@@ -45,8 +45,8 @@ class Limits:
                 raise ValueError(f"Limits.{f.name} {problem}")
 
     def rlimits(self) -> dict[str, int]:
-        """The values the launcher sets with ``setrlimit``. CPU time per process is a backstop a second past the
-        run's budget: the launcher, which watches the whole run, stops it at the budget first, and so sees it
+        """The values the launcher sets with ``setrlimit``. CPU time per process is a backstop past the run's
+        budget (rounded up, plus a second): the launcher, which watches the whole run, stops it at the budget first, and so sees it
         stopped (a process the kernel stops is seen only by its parent)."""
         return {
             "cpu_s": math.ceil(self.cpu_s) + 1,

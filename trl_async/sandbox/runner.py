@@ -11,10 +11,11 @@ import shutil
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 
 from .arguments import check_argv, check_files, check_limits, check_stdin
-from .isolation import hidden_dirs, interpreter, is_root, resolve, visible_dirs
+from .isolation import hidden_dirs, interpreter, is_root, resolve, seccomp_missing, visible_dirs
 from .limits import Limits, SandboxResult, limits_hit
 from .zygote_client import SandboxError, Zygote
 
@@ -107,6 +108,8 @@ class Sandbox:
         self._python = interpreter(self.isolation)
         self._visible, self._hidden = visible_dirs(), hidden_dirs()
         self._zygote = Zygote(self.isolation)
+        if seccomp_missing():
+            warnings.warn(seccomp_missing(), RuntimeWarning, stacklevel=2)
 
     def close(self) -> None:
         """Stop this sandbox's zygote (runs in flight go on to their end). A later run starts a new one."""

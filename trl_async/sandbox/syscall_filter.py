@@ -19,6 +19,7 @@ SOCKET_FAMILIES = (1, 2, 10)  # AF_UNIX; AF_INET and AF_INET6, which reach only 
 EPERM, EACCES, ENOSYS = 1, 13, 38
 SCMP_CMP_EQ, SCMP_CMP_GT, SCMP_CMP_MASKED_EQ = 4, 6, 7
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+REQUIRED = ("clone", "clone3", "socket", "socketpair", "unshare", "mount")  # calls every architecture here has
 
 
 def _check(result: int, what: str) -> None:
@@ -62,6 +63,8 @@ def compile_filter() -> bytes | None:
 
     def rule(name: str, errno: int, compare: _ArgCmp | None = None) -> None:
         number = seccomp.seccomp_syscall_resolve_name(name.encode())
+        if number < 0 and name in REQUIRED:
+            raise OSError(f"this libseccomp does not know {name}(): the filter would miss it (libseccomp >= 2.5)")
         if number >= 0:
             count = 0 if compare is None else 1
             _check(seccomp.seccomp_rule_add_array(context, refuse(errno), number, count, compare), f"seccomp {name}")
