@@ -258,10 +258,8 @@ def _owned_by(uid: int) -> bool:
     """Whether a live (not zombie) process of ``uid`` remains."""
     for entry in os.listdir("/proc"):
         try:
-            if entry.isdigit() and real_uid(entry) == uid:
-                with open(f"/proc/{entry}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                        return True
+            if entry.isdigit() and real_uid(entry) == uid and _stat_fields(entry)[0] != b"Z":
+                return True
         except (OSError, IndexError, ValueError):
             pass
     return False
