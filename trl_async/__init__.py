@@ -1,9 +1,11 @@
 """trl_async: asynchronous GRPO for TRL (background rollout workers, bounded version-tagged queue, staleness
 correction). ``from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer``.
 
-The two names are loaded on first use: a rollout worker process imports ``trl_async.engines.transformers.worker``, which
-needs torch and transformers only, and importing the package eagerly would pull in TRL, peft and the trainer (seconds
-per worker start)."""
+The package's names are loaded on first use: a rollout worker process imports ``trl_async.engines.transformers.worker``,
+which needs torch and transformers only, and importing the package eagerly would pull in TRL, peft and the trainer
+(seconds per worker start). Besides the trainer and its config it exports the errors a run can raise to the caller
+and the progress callback the trainer installs; the sandbox, the code-execution reward and the Python tool are in
+``trl_async.sandbox``."""
 
 from __future__ import annotations
 
@@ -16,11 +18,36 @@ _moved.install()  # old module paths (trl_async.sync, trl_async.arithmetic, ...)
 
 if TYPE_CHECKING:
     from .config import AsyncGRPOConfig
+    from .engines.vllm.client import VLLMServerError
+    from .progress import AsyncProgressCallback
+    from .rollout.lanes import RolloutLaneError, RolloutWorkerError
+    from .rollout.scoring import RewardFunctionError
+    from .sandbox import SandboxError, SandboxUnavailable
     from .trainer import AsyncGRPOTrainer
 
-__all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer"]
+__all__ = [
+    "AsyncGRPOConfig",
+    "AsyncGRPOTrainer",
+    "AsyncProgressCallback",
+    "RewardFunctionError",
+    "RolloutLaneError",
+    "RolloutWorkerError",
+    "SandboxError",
+    "SandboxUnavailable",
+    "VLLMServerError",
+]
 __version__ = "0.1.0"
-_LAZY = {"AsyncGRPOConfig": ".config", "AsyncGRPOTrainer": ".trainer"}
+_LAZY = {
+    "AsyncGRPOConfig": ".config",
+    "AsyncGRPOTrainer": ".trainer",
+    "AsyncProgressCallback": ".progress",
+    "RewardFunctionError": ".rollout.scoring",
+    "RolloutLaneError": ".rollout.lanes",
+    "RolloutWorkerError": ".rollout.lanes",
+    "SandboxError": ".sandbox",
+    "SandboxUnavailable": ".sandbox",
+    "VLLMServerError": ".engines.vllm.client",
+}
 
 
 def __getattr__(name: str):
@@ -29,3 +56,7 @@ def __getattr__(name: str):
         globals()[name] = value
         return value
     raise AttributeError(f"module 'trl_async' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

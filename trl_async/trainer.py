@@ -147,6 +147,9 @@ class AsyncGRPOTrainer(CorrectionSeam, GRPOTrainer):
         self._pinned: PinnedTrainer | None = None  # rollout_cpu_affinity, while training
         self._pool_started = False
         self.last_rollout_pool: RolloutPool | None = None
+        """The pool of the last ``train``, closed when it ended, its counters still readable (``dropped_samples``,
+        ``dropped_groups``, ``filtered_groups``, ``abandoned_groups``). Main process only: ``None`` on the other
+        ranks and before the first ``train``."""
         self._consuming: list[tuple[ScoredGroup, int]] | None = None  # (group, completion index) per local row
         # an evaluation's rollout_func runs on the main thread with the trainer's model; its own threads may sample
         # through the trainer meanwhile, one at a time (rollout_generate)

@@ -193,6 +193,6 @@ def test_nccl_pushes_without_vllm_in_the_trainers_environment_name_the_extra(mon
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
-    with pytest.raises(VLLMServerError, match=r"install vLLM in the trainer's environment too.*trl_async\[vllm\]"):
+    with pytest.raises(VLLMServerError, match=r"install vLLM in the trainer's environment too.*pip install vllm"):
         served_transport("auto", [_info("nccl")], ["http://a:1"], "cuda:0")
     assert served_transport("auto", [_info("trl_async_gloo")], ["http://a:1"], "cpu") == "gloo"  # gloo: ours alone

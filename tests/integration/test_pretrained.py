@@ -57,7 +57,9 @@ def test_without_gguf_the_error_names_the_extra_to_install(tmp_path, monkeypatch
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name, *a))
-    with pytest.raises(ImportError, match=r"needs the `gguf` package: pip install 'trl_async\[demo\]'"):
+    with pytest.raises(
+        ImportError, match=r'needs the `gguf` package: pip install gguf \(or `pip install -e "\.\[demo\]"`'
+    ):
         pretrained.smollm2_135m_instruct(cache_dir=tmp_path / "cache")
     assert not (tmp_path / "cache" / pretrained.MODEL_NAME).exists()
 

@@ -50,7 +50,10 @@ def require_deepspeed(deepspeed_config) -> None:
     fails deep inside transformers or accelerate; name the extra to install first."""
     wanted = bool(deepspeed_config) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
     if wanted and importlib.util.find_spec("deepspeed") is None:
-        raise ImportError("this run uses DeepSpeed, which is not installed: pip install 'trl_async[deepspeed]'")
+        raise ImportError(
+            'this run uses DeepSpeed, which is not installed: pip install deepspeed (or `pip install -e ".[deepspeed]"` '
+            "in a source checkout of trl_async)"
+        )
 
 
 def settle(settings: AsyncFields, args) -> AsyncFields:

@@ -304,8 +304,9 @@ class AsyncFields(ResolvedDefaults):
         metadata={
             "help": "With dynamic_sampling: stop with an error after this many generation batches' worth of groups in "
             "a row had no signal (a saturated task, or a reward constant by mistake); a warning after every 5 "
-            "batches' worth. None: never stop. (A healthy task that filters nine groups in ten reaches 50 batches' "
-            "worth in a row with 2 groups per batch about once in 380,000 groups.)"
+            "batches' worth. None: never stop. The default is far beyond chance for a healthy task: if 9 groups in "
+            "10 are filtered independently, 100 in a row (50 batches of 2 groups) have probability 0.9^100, about "
+            "3e-5."
         },
     )
     weight_sync_bucket_mb: float = field(

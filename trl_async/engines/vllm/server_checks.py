@@ -140,8 +140,8 @@ def served_transport(requested: str, infos: Sequence[dict], urls: Sequence[str],
     if transport == "nccl" and importlib.util.find_spec("vllm") is None:
         raise VLLMServerError(
             f"vLLM server {urls[0]} receives weights over NCCL, and the trainer's end of that transport is vLLM's own "
-            "NCCL engine: install vLLM in the trainer's environment too, pip install 'trl_async[vllm]' (the version "
-            "the servers run)"
+            "NCCL engine: install vLLM in the trainer's environment too, the version the servers run (`pip install "
+            'vllm`, or `pip install -e ".[vllm]"` from a source checkout of trl_async)'
         )
     return transport
 
