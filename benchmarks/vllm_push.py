@@ -1,6 +1,6 @@
 """Cost of a weight push to a vLLM CPU server (rollout_backend="vllm", gloo transport), against the bound.
 
-For each model size, one real vLLM CPU server (started with ``python -m trl_async.vllm_serve``) receives ``--pushes``
+For each model size, one real vLLM CPU server (started with ``trl-async-vllm-serve``) receives ``--pushes``
 full pushes of the same weights, as AsyncGRPOTrainer does at every weight sync: pause, start, gloo broadcast of the
 buckets + the server's ``load_weights``, finish (label), cache reset, resume. The reference is the transport alone:
 the same buckets broadcast over gloo to a plain receiver process, in the same run. Ratio = transport / full push

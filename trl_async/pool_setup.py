@@ -123,7 +123,7 @@ def episode_runner_factory(trainer, tool_runner: ToolRunner):
 
 
 def rollout_func_runner_factory(trainer):
-    """``rollout_func`` runs per admitted group on a background thread (rollout/custom_rollouts.py)."""
+    """``rollout_func`` runs per admitted group on a background thread (rollout/rollout_func.py)."""
     config = trainer.accelerator.unwrap_model(trainer.model).config
     kwargs = dict(
         rollout_func=trainer.rollout_func,

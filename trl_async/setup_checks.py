@@ -97,7 +97,7 @@ def refuse_before_loading(
     if rollout_func is not None and (tools or environment_factory is not None):
         raise NotImplementedError(
             "AsyncGRPOTrainer runs `rollout_func` without `tools`/`environment_factory`: a rollout_func owns its "
-            "whole rollout, so call your tools or environment inside it (trl_async/rollout/custom_rollouts.py)."
+            "whole rollout, so call your tools or environment inside it (trl_async/rollout/rollout_func.py)."
         )
     refused = unsupported_setup(model, args, quantization_config)
     if refused:

@@ -241,7 +241,7 @@ TIMED_OUT = "{'error': 'tool multiply did not return within 0.5 s (rollout_tool_
 def timeout_model_dir(request, tmp_path_factory) -> str:
     """across_turns: calls multiply, and after the result (or the timeout's error) calls it again, then says "Done!";
     within_a_turn: calls multiply twice in its first turn (two parallel calls), then says "Done!"."""
-    from trl_async import tiny
+    from trl_async.demo import tiny
     from trl_async.rollout.episodes import ENVIRONMENT_BUSY
 
     from ..tool_model import FIRST_TURNS, multiply

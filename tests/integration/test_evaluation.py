@@ -6,7 +6,8 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_async import AsyncGRPOTrainer, evaluation
+from trl_async import AsyncGRPOTrainer
+from trl_async.demo import evaluation
 from trl_async.demo.evaluation import GreedyAccuracyCallback, greedy_completions
 
 from ..conftest import async_args

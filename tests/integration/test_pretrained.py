@@ -8,7 +8,7 @@ import zipfile
 
 import pytest
 
-from trl_async import pretrained
+from trl_async.demo import pretrained
 
 
 @pytest.mark.unit

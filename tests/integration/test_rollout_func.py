@@ -1,4 +1,4 @@
-"""``rollout_func``: the user's rollout runs in the background per group (trl_async/rollout/custom_rollouts.py). The pure
+"""``rollout_func``: the user's rollout runs in the background per group (trl_async/rollout/rollout_func.py). The pure
 pieces by hand, then real training with real rollout workers: single- and multi-turn rollouts, versions, env_mask,
 extra fields, errors, evaluation."""
 

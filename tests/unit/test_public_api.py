@@ -12,11 +12,10 @@ import pytest
 import trl_async
 
 ROOT = Path(__file__).resolve().parents[2]
-# the errors a run raises to the caller (the docs name them; RolloutLaneError is RolloutWorkerError's class)
+# the errors a run raises to the caller (the docs name them)
 ERRORS = (
     "RewardFunctionError",
     "RolloutLaneError",
-    "RolloutWorkerError",
     "SandboxError",
     "SandboxUnavailable",
     "VLLMServerError",
@@ -55,7 +54,7 @@ def test_errors_are_exported_exception_classes(name):
 
 def test_every_error_the_docs_name_is_exported():
     named = documented_error_names()
-    assert {"RolloutWorkerError", "RewardFunctionError", "SandboxError", "SandboxUnavailable"} <= named
+    assert {"RolloutLaneError", "RewardFunctionError", "SandboxError", "SandboxUnavailable"} <= named
     missing = sorted(named - set(trl_async.__all__))
     assert not missing, f"the docs name errors that `from trl_async import ...` does not give: {missing}"
     for name in named:
@@ -68,7 +67,7 @@ def test_exported_errors_are_the_raised_classes():
     from trl_async.sandbox.isolation import SandboxUnavailable
     from trl_async.sandbox.zygote_client import SandboxError
 
-    assert trl_async.RolloutWorkerError is trl_async.RolloutLaneError is RolloutLaneError
+    assert trl_async.RolloutLaneError is RolloutLaneError
     assert trl_async.RewardFunctionError is RewardFunctionError
     assert trl_async.SandboxError is SandboxError
     assert trl_async.SandboxUnavailable is SandboxUnavailable

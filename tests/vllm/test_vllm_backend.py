@@ -671,7 +671,7 @@ def test_the_server_command_listens_on_loopback_unless_a_host_is_given(monkeypat
 
 
 def test_a_started_server_is_reachable_on_loopback_only(vllm_server):
-    """The server started by ``python -m trl_async.vllm_serve`` without ``--host``: its dev-mode routes answer on
+    """The server started by ``trl-async-vllm-serve`` without ``--host``: its dev-mode routes answer on
     127.0.0.1 and nowhere else."""
     import socket
     from urllib.parse import urlparse

@@ -20,7 +20,7 @@ from tests.vllm.test_vllm_backend import _dataset, _reward, _vllm_args
 from tests.vllm.test_vllm_reattach import Forwarder
 from tests.vllm_server import start_server
 from trl_async.engines.vllm import backend as backend_module
-from trl_async.engines.vllm import weights as weights_module
+from trl_async.engines.vllm import push as push_module
 from trl_async.engines.vllm.client import VLLMServer
 
 
@@ -119,7 +119,7 @@ def check_run(trainer, tmp_path, steps: int, batch: int, max_staleness: int, mod
 
 def kill_after_the_first_bucket(monkeypatch, armed: dict, server: Restartable, moment: str = "mid-push") -> None:
     """While ``armed["push"]``: the next push kills ``server`` once its first bucket has gone out."""
-    send = weights_module.send_buckets
+    send = push_module.send_buckets
 
     def send_then_maybe_die(group, buckets):
         def stream():
@@ -131,7 +131,7 @@ def kill_after_the_first_bucket(monkeypatch, armed: dict, server: Restartable, m
 
         return send(group, stream())
 
-    monkeypatch.setattr(weights_module, "send_buckets", send_then_maybe_die)
+    monkeypatch.setattr(push_module, "send_buckets", send_then_maybe_die)
 
 
 def test_the_only_server_killed_before_a_publish_mid_generate_and_mid_push_heals_each_time(

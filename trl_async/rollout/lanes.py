@@ -25,11 +25,7 @@ logger = logging.get_logger(__name__)
 
 class RolloutLaneError(RuntimeError):
     """A rollout lane (a transformers worker process, or a vLLM server) died, failed, or reports weights that differ
-    from what the trainer published; the message names the lane and why. ``RolloutWorkerError`` is the same class,
-    under its earlier name."""
-
-
-RolloutWorkerError = RolloutLaneError  # the earlier name
+    from what the trainer published; the message names the lane and why."""
 
 
 class Lanes:

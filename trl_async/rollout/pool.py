@@ -30,7 +30,7 @@ from ..weights.shared_memory import Digest
 from .admission import AdmissionLedger
 from .consumption import next_ready
 from .dispatch import later_turn_chunk, pick_lane
-from .lanes import Lanes, RolloutLaneError, RolloutWorkerError  # noqa: F401 - raised to the trainer
+from .lanes import Lanes, RolloutLaneError  # noqa: F401 - raised to the trainer
 from .prompts import PromptStream
 from .readouts import PoolReadouts
 from .scored import ScoredGroup, TakeStats, TakeTally

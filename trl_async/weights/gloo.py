@@ -1,6 +1,6 @@
 """The CPU weight transport to vLLM servers: a gloo group between the trainer (rank 0) and the servers' workers.
 
-Both ends import this module: the trainer (``engines/vllm/weights.py``) and the ``trl_async_gloo`` weight-transfer
+Both ends import this module: the trainer (``engines/vllm/push.py``) and the ``trl_async_gloo`` weight-transfer
 engine that ``vllm_plugin.py`` registers inside a vLLM server. It imports only torch, so it loads in either virtual
 environment. The wire format is the trainer's weight buckets (``plan_buckets``, the same greedy rule
 ``weight_sync.iter_policy_buckets`` uses), each broadcast as one flat byte buffer, so both ends cut the stream at the

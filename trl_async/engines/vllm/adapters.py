@@ -1,7 +1,7 @@
 """Adapter-only LoRA sync to vLLM servers: each policy version is served as a named adapter.
 
 The frozen base goes to every server once, through the weight push (``weights.py``). Each version's adapters then
-travel as a directory: ``served_adapter`` (sync/adapters.py) folds every layer's adapters and scales into one
+travel as a directory: ``served_adapter`` (weights/lora.py) folds every layer's adapters and scales into one
 peft-format adapter, written as ``adapter_model.safetensors`` and ``adapter_config.json``, and every server loads it
 with ``POST /v1/load_lora_adapter`` under a name of its own (``trl_async-<run>-v<version>``). A request names the
 newest adapter when it starts and runs on it to its end, so every token of a request was sampled by that version,
@@ -185,7 +185,7 @@ class ServedAdapters:
                     return (
                         f"vLLM server {server.url} could not load a LoRA adapter of these shapes: {exc} (a 404 "
                         "means no runtime LoRA loading: start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, as "
-                        "`python -m trl_async.vllm_serve` does)"
+                        "`trl-async-vllm-serve` does)"
                     )
             return None
         finally:

@@ -35,7 +35,7 @@ def server_gpu_groups(gpus: list[str], hosts: list[str], tensor_parallel_size: i
         raise ValueError(
             "GRPOConfig.vllm_mode='colocate' with trainer ranks on several machines: the servers are started and "
             "driven by the main process, on its own machine. Start a server per machine with `python -m "
-            "trl_async.vllm_serve` (or `trl vllm-serve`) and use vllm_mode='server' with rollout_vllm_urls"
+            "trl_async.engines.vllm.serve` (or `trl vllm-serve`) and use vllm_mode='server' with rollout_vllm_urls"
         )
     if len(set(gpus)) != len(gpus):
         raise ValueError(f"GRPOConfig.vllm_mode='colocate': trainer ranks share GPUs {gpus}; give each rank its own")

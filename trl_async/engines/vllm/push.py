@@ -6,7 +6,7 @@ collective group spanning the trainer (rank 0) and every server worker, each ser
 new version's label, and resumes. Transports:
   * ``nccl`` (GPU servers): vLLM's own ``NCCLTrainerWeightTransferEngine`` (as TRL 1.16's synchronous trainer uses);
     vLLM must be importable in the trainer's environment.
-  * ``gloo`` (CPU servers, and the tested twin of the NCCL path): ``sync/gloo.py`` on our side and the
+  * ``gloo`` (CPU servers, and the tested twin of the NCCL path): ``weights/gloo.py`` on our side and the
     ``trl_async_gloo`` engine inside the servers; same endpoints, same lifecycle.
 The buckets come from ``weight_sync.iter_policy_buckets`` on every trainer rank, in lock-step on the main thread
 (under ZeRO-3 each bucket is a collective gather); only rank 0 holds a sender, and a bucket is sent completely before

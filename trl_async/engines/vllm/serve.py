@@ -1,7 +1,7 @@
 """Start a vLLM server the way ``rollout_backend="vllm"`` needs it (run this in the server's environment).
 
-    python -m trl_async.vllm_serve --model Qwen/Qwen2.5-1.5B --port 8000                 # GPU: NCCL weight push
-    python -m trl_async.vllm_serve --model ./tiny --port 8000 --transport gloo -- --dtype float32 --enforce-eager
+    trl-async-vllm-serve --model Qwen/Qwen2.5-1.5B --port 8000                 # GPU: NCCL weight push
+    trl-async-vllm-serve --model ./tiny --port 8000 --transport gloo -- --dtype float32 --enforce-eager
 
 It is ``vllm serve`` (vLLM's OpenAI-compatible API server) with: ``VLLM_SERVER_DEV_MODE=1`` (pause/resume and the
 weight-transfer endpoints), ``--enable-scale-out`` (token-in/token-out ``/inference/v1/generate``, which returns

@@ -75,7 +75,7 @@ def lora_blocker(info: dict, url: str, rank: int, leaves: set[str]) -> str | Non
     if not lora:
         return (
             f"vLLM server {url} was started without LoRA: add --enable-lora --max-lora-rank {flag} "
-            f"(and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, which `python -m trl_async.vllm_serve` sets)"
+            f"(and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, which `trl-async-vllm-serve` sets)"
         )
     if lora.get("max_lora_rank", 0) < rank:
         return (
@@ -105,9 +105,7 @@ def served_transport(requested: str, infos: Sequence[dict], urls: Sequence[str],
     """The weight transport to use with servers described by ``infos`` (their ``/server_info``): the engine they were
     started with (``--weight-transfer-config``), which must be one the trainer can drive and the same on every
     server; ``requested`` ('auto', 'nccl' or 'gloo') must agree with it."""
-    hint = (
-        "start it with `python -m trl_async.vllm_serve` (--transport nccl on GPUs, gloo on CPUs) or `trl vllm-serve`"
-    )
+    hint = "start it with `trl-async-vllm-serve` (--transport nccl on GPUs, gloo on CPUs) or `trl vllm-serve`"
     found = []
     for info, url in zip(infos, urls, strict=True):
         engine = ((info.get("vllm_config") or {}).get("weight_transfer_config") or {}).get("backend")
@@ -134,7 +132,7 @@ def served_transport(requested: str, infos: Sequence[dict], urls: Sequence[str],
     if transport == "nccl" and not trainer_device.startswith("cuda"):
         raise VLLMServerError(
             f"vLLM server {urls[0]} receives weights over NCCL, which needs the trainer on a GPU, but it runs on "
-            f"{trainer_device}: start CPU servers with `python -m trl_async.vllm_serve --transport gloo`, or train on "
+            f"{trainer_device}: start CPU servers with `trl-async-vllm-serve --transport gloo`, or train on "
             "a GPU"
         )
     if transport == "nccl" and importlib.util.find_spec("vllm") is None:
@@ -150,7 +148,7 @@ def check_server(server: VLLMServer, startup_timeout_s: float) -> dict:
     """Fail early, naming the flag to add, when a server is not started the way this backend needs. Returns its
     ``/server_info``."""
     server.wait_until_healthy(startup_timeout_s)
-    hint = "start it with `python -m trl_async.vllm_serve` or `trl vllm-serve` (or see the README for the flags)"
+    hint = "start it with `trl-async-vllm-serve` or `trl vllm-serve` (or see the README for the flags)"
     try:
         info = server.server_info()
     except VLLMServerError as exc:
