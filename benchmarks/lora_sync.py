@@ -50,7 +50,8 @@ def transport(name: str, base_model) -> dict:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from trl_async.weights.lora import adapter_tensors, merge_adapters
+    from trl_async.weights.lora import adapter_tensors
+    from trl_async.weights.lora_merge import merge_adapters
     from trl_async.weights.policy import iter_policy_buckets, policy_specs
     from trl_async.weights.shared_memory import SharedMemoryWeights
 

@@ -124,7 +124,7 @@ def main():
         adapter_only = kept["base"] is not None
         per_version = sorted(published)  # what each version after the first sends
         if adapter_only:  # LoRA: the frozen base (sent once) with the last version's adapters merged, as a worker does
-            from trl_async.weights.lora import merged_weights
+            from trl_async.weights.lora_merge import merged_weights
 
             published = merged_weights(pool.backend.specs[0].lora_merges, kept["base"], published)
         compared, mismatches = 0, []

@@ -12,15 +12,8 @@ import torch
 from tests.conftest import KeepPublished, async_args, text_dataset
 from trl_async import AsyncGRPOTrainer
 from trl_async.demo.tiny import build_char_tokenizer, build_tiny_model
-from trl_async.weights.lora import (
-    SCALES,
-    LoraMerge,
-    adapter_sync_blocker,
-    adapter_tensors,
-    merged_weights,
-    served_adapter,
-    served_rank,
-)
+from trl_async.weights.lora import adapter_sync_blocker, adapter_tensors
+from trl_async.weights.lora_merge import SCALES, LoraMerge, merged_weights, served_adapter, served_rank
 from trl_async.weights.policy import policy_specs, policy_units
 
 TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]

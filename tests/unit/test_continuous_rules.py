@@ -135,7 +135,7 @@ def test_a_re_layout_keeps_the_chosen_rows_from_their_first_used_column_and_adds
 
 
 def test_rows_are_left_padded_to_the_longest_with_a_mask_of_their_own_tokens():
-    from trl_async.engines.transformers.worker import left_padded
+    from trl_async.engines.transformers.decoding import left_padded
 
     ids, mask = left_padded([(5, 6, 7), (8,)], pad_token_id=0)
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from .gloo import plan_buckets
-from .lora import SCALES, adapter_tensors, clean_peft_name
+from .lora import adapter_tensors, clean_peft_name
+from .lora_merge import SCALES
 
 
 @dataclass(frozen=True)

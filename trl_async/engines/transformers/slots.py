@@ -34,9 +34,9 @@ import torch
 
 from ...records import RolloutGroup, RolloutTask
 from ...sampling import SamplingSettings, processors, settings_of
+from .decoding import left_padded, split_sampling_warpers
 from .row_groups import RowGroups, RowsFront, WaitingRow
 from .slot_cache import ROOM, columns_cache, first_used, left_pad, positions, relaid
-from .worker import left_padded, split_sampling_warpers
 
 
 def slot_loop_blocker(model_config: Any) -> str | None:

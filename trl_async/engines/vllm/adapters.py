@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from transformers.utils import logging
 
-from ...weights.lora import LoraMerge
+from ...weights.lora_merge import LoraMerge
 from .client import VLLMServer
 from .push import _all
 

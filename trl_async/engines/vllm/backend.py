@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from transformers.utils import logging
 
-from ...weights.lora import served_adapter
+from ...weights.lora_merge import served_adapter
 from .adapters import AdapterPlan  # noqa: F401 - pool_setup builds it from here
 from .client import VLLMServer
 from .push import Buckets, VLLMWeightPusher

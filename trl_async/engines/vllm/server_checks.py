@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...weights.lora import served_adapter, served_rank
+from ...weights.lora_merge import served_adapter, served_rank
 from .adapters import AdapterPlan, ServedAdapters
 from .client import VLLMServer, VLLMServerError
 from .reattach import identity
