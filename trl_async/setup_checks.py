@@ -18,6 +18,7 @@ from trl.data_utils import is_conversational
 from .engines.transformers.slots import SlotRows, continuous_engine
 from .generation_modes import continuous_blocker, refused_generation, refused_paged_settings
 from .precision import emulated_precision_warning
+from .rollout.staleness import default_queue_size
 
 logger = logging.get_logger(__name__)
 
@@ -188,7 +189,7 @@ def pool_geometry(args, num_generations: int, async_args) -> PoolGeometry:
     steps_per_batch = (
         args.steps_per_generation * getattr(args, "num_iterations", 1) // args.gradient_accumulation_steps
     )
-    queue_default = (async_args.max_staleness // steps_per_batch + 1) * groups_per_batch
+    queue_default = default_queue_size(async_args.max_staleness, steps_per_batch, groups_per_batch)
     queue_size = async_args.rollout_queue_size or queue_default
     if queue_size < groups_per_batch:
         raise ValueError(

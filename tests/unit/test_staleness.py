@@ -1,6 +1,12 @@
 import pytest
 
-from trl_async.rollout.staleness import max_groups_admitted, staleness
+from trl_async.rollout.staleness import (
+    default_queue_size,
+    max_groups_admitted,
+    staleness,
+    too_stale_already,
+    trainable,
+)
 
 
 def test_staleness_is_consumer_minus_oldest_token():
@@ -48,3 +54,28 @@ def test_admission_after_a_resume_inside_a_generation_batch():
     assert max_groups_admitted(4, 1, 2, 2, start_version=3) == 4  # staleness 1: 5 - 4 = 1 is fresh
     with pytest.raises(ValueError):
         max_groups_admitted(0, -1, 4, 1)
+
+
+def test_the_guarantee_at_take():
+    # consumed at version 5 with max_staleness 2: oldest token 3 trains (staleness 2), oldest 2 does not (3)
+    assert trainable(5, [3, 4, 5], max_staleness=2)
+    assert not trainable(5, [2, 5], max_staleness=2)
+    assert trainable(0, [0], max_staleness=0)
+
+
+def test_a_group_too_stale_for_any_future_step_is_known_before_scoring():
+    # version 4 published: every later step consumes at >= 4, so tokens of version 1 are at least 3 stale
+    assert too_stale_already(4, [1, 4], max_staleness=2)
+    assert not too_stale_already(4, [2, 4], max_staleness=2)
+    assert not too_stale_already(None, [0], max_staleness=0)  # nothing published yet
+    # a lane may tag a token with a version a moment before the ledger records it published: not an error here
+    assert not too_stale_already(3, [4], max_staleness=0)
+
+
+def test_the_default_queue_holds_every_batch_the_bound_lets_run_ahead():
+    # 4 groups per batch, 1 step per batch: max_staleness 0 -> this batch only; 2 -> this one and 2 more
+    assert default_queue_size(0, 1, 4) == 4
+    assert default_queue_size(2, 1, 4) == 12
+    # 2 steps per batch: max_staleness 1 lets no later batch run ahead (1 // 2 = 0), 2 lets one
+    assert default_queue_size(1, 2, 4) == 4
+    assert default_queue_size(2, 2, 4) == 8

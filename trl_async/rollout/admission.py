@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .staleness import max_groups_admitted
+from .staleness import max_groups_admitted, too_stale_already
 
 
 @dataclass
@@ -62,8 +62,6 @@ class AdmissionLedger:
         return self.admitted - self.consumed
 
     def too_stale_already(self, token_versions: Iterable[int]) -> bool:
-        """Whether a finished group can no longer train: the trainer consumes at a version at least the newest one
-        published, so a group older than that by more than ``max_staleness`` would only be dropped later, after its
-        rewards. A direct difference, not ``staleness()``: a lane may sample with version v a moment before
-        ``published`` records it."""
-        return self.published is not None and self.published - min(token_versions) > self.max_staleness
+        """Whether a finished group can no longer train at any step from the newest published version on
+        (``staleness.too_stale_already``)."""
+        return too_stale_already(self.published, token_versions, self.max_staleness)

@@ -34,7 +34,7 @@ from .lanes import Lanes, RolloutLaneError  # noqa: F401 - raised to the trainer
 from .prompts import PromptStream
 from .readouts import PoolReadouts
 from .scored import ScoredGroup, TakeStats, TakeTally
-from .staleness import staleness
+from .staleness import staleness, trainable
 
 if TYPE_CHECKING:
     from .interfaces import Backend, GroupRunner
@@ -178,11 +178,11 @@ class RolloutPool(PoolReadouts):
                 while len(taken) < n and (i := self._next_ready(taken)) is not None:
                     scored = self._ready[i]
                     del self._ready[i]
-                    s = staleness(consumer_version, scored.group.token_versions)
-                    if s > self.settings.max_staleness:
+                    versions = scored.group.token_versions
+                    if not trainable(consumer_version, versions, self.settings.max_staleness):  # the guarantee
                         self._drop_stale(scored.group)
                         continue
-                    taken.append(replace(scored, staleness=s))
+                    taken.append(replace(scored, staleness=staleness(consumer_version, versions)))
                 if len(taken) == n:
                     break
                 if self.backend.resync_wanted:

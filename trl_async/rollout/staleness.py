@@ -1,4 +1,14 @@
-"""Versions, staleness and admission control: the subtle rules, each one pure function.
+"""Versions and staleness: the rule that bounds how old a trained sample may be, and every place it is applied, each
+one pure function.
+
+The guarantee is one check: no sample older than ``max_staleness`` trains (``trainable``, applied when the trainer
+takes a batch, ``RolloutPool.take``). The others only save work and never decide what trains:
+  * admission (``max_groups_admitted``, applied by ``rollout/admission.py``) starts no group that could only be
+    consumed too stale, so generation runs at most ``max_staleness`` steps ahead;
+  * a finished group that is already too stale for any future step is dropped before its reward calls
+    (``too_stale_already``, ``RolloutPool``'s scoring threads);
+  * the queue holds, by default, the groups of every batch the staleness bound lets run ahead
+    (``default_queue_size``).
 
 Definitions:
   * a policy version is the number of optimizer steps applied to the weights (``trainer.state.global_step`` when they
@@ -55,3 +65,23 @@ def max_groups_admitted(
         raise ValueError("versions and max_staleness must be >= 0; groups_per_batch and steps_per_batch >= 1")
     last_fresh_batch = (published_version + max_staleness - start_version) // steps_per_batch
     return max(0, last_fresh_batch + 1) * groups_per_batch
+
+
+def trainable(consumer_version: int, token_versions: Iterable[int], max_staleness: int) -> bool:
+    """The guarantee: a sample trains at ``consumer_version`` only if its staleness is at most ``max_staleness``."""
+    return staleness(consumer_version, token_versions) <= max_staleness
+
+
+def too_stale_already(published_version: int | None, token_versions: Iterable[int], max_staleness: int) -> bool:
+    """Whether a finished group can no longer train: the trainer consumes at a version at least the newest one
+    published, so a group older than that by more than ``max_staleness`` would only be dropped later, after its
+    rewards. A direct difference, not ``staleness()``: a lane may sample with version v a moment before
+    ``published_version`` records it. Nothing published yet: nothing is too stale."""
+    return published_version is not None and published_version - min(token_versions) > max_staleness
+
+
+def default_queue_size(max_staleness: int, steps_per_batch: int, groups_per_batch: int) -> int:
+    """The groups admitted ahead of the trainer that the staleness bound allows: the current generation batch and
+    every later one still fresh when consumed (``max_staleness // steps_per_batch`` of them), so that the queue, not
+    admission, is never what holds generation back."""
+    return (max_staleness // steps_per_batch + 1) * groups_per_batch
