@@ -37,7 +37,9 @@ class AsyncFields(ResolvedDefaults):
             "their own copy of the policy. 'vllm': vLLM servers, one lane per server. Default: GRPOConfig's "
             "`use_vllm` decides, as in GRPOTrainer: use_vllm=True with vllm_mode='server' uses the running servers "
             "(vllm_server_base_url, or vllm_server_host and vllm_server_port, or rollout_vllm_urls); with "
-            "vllm_mode='colocate' the trainer starts a vLLM server on its own GPU and stops it when training ends."
+            "vllm_mode='colocate' the trainer starts a vLLM server process beside itself on its own GPU, pushes "
+            "weights to it over NCCL, and stops it when training ends (colocate has not yet run on a GPU: see "
+            "docs/distributed.md)."
         },
     )
     rollout_vllm_urls: list[str] | None = field(
@@ -51,9 +53,10 @@ class AsyncFields(ResolvedDefaults):
     rollout_vllm_weight_transport: WeightTransport = field(
         default="auto",
         metadata={
-            "help": "How weights reach the vLLM servers: 'nccl' (vLLM's NCCL weight-transfer engine, GPU servers), "
-            "'gloo' (the trl_async_gloo engine, CPU servers), 'auto' = the engine the servers were started with (their "
-            "/server_info), e.g. nccl for a server started by `trl vllm-serve`."
+            "help": "How weights reach the vLLM servers: 'nccl' (vLLM's NCCL weight-transfer engine, GPU servers; "
+            "the trainer's environment needs vLLM, the version the servers run), 'gloo' (the trl_async_gloo engine, "
+            "CPU servers; the servers' environment needs trl_async), 'auto' = the engine the servers were started "
+            "with (their /server_info), e.g. nccl for a server started by `trl vllm-serve`."
         },
     )
     rollout_vllm_max_requests: int | None = field(
@@ -86,7 +89,8 @@ class AsyncFields(ResolvedDefaults):
         default=None,
         metadata={
             "help": "vllm_mode='colocate': the Python interpreter that runs the server the trainer starts (vLLM "
-            "installed in another environment). Default: the trainer's own."
+            "installed in another environment). Default: the trainer's own, so vLLM must be installed in the "
+            "trainer's environment."
         },
     )
     rollout_vllm_server_args: list[str] | None = field(

@@ -50,7 +50,11 @@ GROUPS: dict[str, tuple[str, ...]] = {
 FROM_TRL = (
     ("use_vllm=False", "transformers worker processes (`rollout_backend='transformers'`)"),
     ("use_vllm=True, vllm_mode='server'", "the running vLLM servers, one lane each (`rollout_backend='vllm'`)"),
-    ("use_vllm=True, vllm_mode='colocate'", "a vLLM server the trainer starts on its own GPU and stops at the end"),
+    (
+        "use_vllm=True, vllm_mode='colocate'",
+        "a vLLM server process the trainer starts beside itself on its own GPU and stops at the end (not yet run on a "
+        "GPU: docs/distributed.md)",
+    ),
     ("vllm_server_base_url, vllm_server_host/port", "the server URL, unless `rollout_vllm_urls` names several"),
     ("vllm_server_timeout", "how long the trainer waits for the servers to be healthy at start"),
     (
