@@ -1,14 +1,15 @@
 """What the pool needs from the parts it is given, written down: a ``Backend`` (worker processes or vLLM servers)
 starts ``Lane``s and takes the published weights; a ``GroupRunner`` (multi-turn episodes, or ``rollout_func``) turns
-admitted groups into finished ones. The pool depends on these and on nothing else of the engines."""
+admitted groups into finished ones. The pool imports nothing of the engines (an import-linter contract checks it) and
+uses of them what these declare; tests/unit/test_pool_fake_backend.py drives the pool with in-process fakes of them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    import queue
+    from multiprocessing.connection import Connection
 
     from ..records import RolloutGroup, RolloutTask
 
@@ -19,7 +20,10 @@ class Lane(Protocol):
     lane_id: int
     outstanding: dict[tuple, RolloutTask]  # every task handed to it and not yet returned, in dispatch order
     max_outstanding: int  # groups it may hold at once (0: it takes no work, e.g. a lost server)
-    results: queue.Queue  # what it sends back: groups, adopted weights, failures, heartbeats
+    restarts: int  # how many times its index was started again after a loss (``Backend.start_lane``)
+    # the receiving end of what it sends back (groups, adopted weights, failures, readiness): a pipe the collector
+    # waits on with ``multiprocessing.connection.wait`` beside the other lanes'
+    results: Connection
 
     def register(self, chunk: list[RolloutTask]) -> None:
         """Record a chunk as outstanding (under the pool's lock), before ``transmit``."""
@@ -51,6 +55,7 @@ class Backend(Protocol):
     restart_note: str  # what the restart log line says happens next
     adapter_blocker: str | None  # adapter-only LoRA sync: why this backend cannot take the adapters (None: it can)
     needs_base: bool  # adapter-only LoRA sync: a lane that came back must get the frozen base again
+    specs: Sequence[Any]  # one per lane: what ``start_lane(index)`` starts
 
     def start_lane(self, index: int, restarts: int = 0) -> Lane: ...
 
