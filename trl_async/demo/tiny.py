@@ -176,10 +176,10 @@ def build_tool_model(
     training variant), exactly as GRPOTrainer renders them. Load the tokenizer with ``PreTrainedTokenizerFast``:
     transformers 5 loads a Qwen2 model's tokenizer as ``Qwen2Tokenizer``, which replaces the saved pre-tokenizer."""
     import json
-    from types import SimpleNamespace
 
-    from trl import GRPOTrainer
     from trl.chat_template_utils import get_training_chat_template
+
+    from ..rollout.grpo_private import ToolSuffix
 
     def tool_name(turn: str) -> str:
         try:
@@ -206,13 +206,7 @@ def build_tool_model(
     ]
     tokenizer = build_tool_tokenizer(corpus)
     template = get_training_chat_template(tokenizer)
-    owner = SimpleNamespace(
-        _is_vlm=False,
-        processing_class=tokenizer,
-        _tokenizer=tokenizer,
-        chat_template=template,
-        chat_template_kwargs={},
-    )
+    suffix = ToolSuffix(tokenizer, template, {})
     sequences = []
     for prompt, turns in episodes.items():
         context = list(
@@ -229,7 +223,7 @@ def build_tool_model(
             ids = list(context)
             for i in range(0, len(messages), 2):  # (assistant turn, tool result) pairs, as the trainer splices them
                 ids += tokenizer.encode(messages[i]["content"] + "<|im_end|>", add_special_tokens=False)
-                ids += GRPOTrainer._get_tool_suffix_ids(owner, [messages[i + 1]])
+                ids += suffix.ids([messages[i + 1]])
             sequences.append((ids, tokenizer.encode(text + "<|im_end|>", add_special_tokens=False)))
     longest = max(len(c) + len(t) for c, t in sequences)
     model = build_tiny_model(

@@ -39,13 +39,12 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from types import SimpleNamespace
 
-from trl import GRPOTrainer
 from trl.chat_template_utils import parse_response
 
 from ..records import RolloutGroup, RolloutTask
 from .environments import EnvironmentPool, environment_tools, with_observation
+from .grpo_private import ToolSuffix
 from .tool_calls import ToolResults, ToolRunner, calls_not_run, split_tools
 
 ENVIRONMENT_BUSY = (
@@ -196,14 +195,7 @@ class EpisodeRunner:
         self.tool_runner = tool_runner
         self.tool_dicts = tool_dicts
         self.submit_turn, self.finished, self.fail = submit_turn, finished, fail
-        # GRPOTrainer's own suffix rendering, on our tokenizer copy (it reads only these attributes)
-        self._suffix_owner = SimpleNamespace(
-            _is_vlm=False,
-            processing_class=tokenizer,
-            _tokenizer=tokenizer,
-            chat_template=chat_template,
-            chat_template_kwargs=chat_template_kwargs,
-        )
+        self._suffix = ToolSuffix(tokenizer, chat_template, chat_template_kwargs)  # GRPOTrainer's, on our copy
         self._can_parse = (
             getattr(tokenizer, "response_template", None) is not None
             or getattr(tokenizer, "response_schema", None) is not None
@@ -395,7 +387,7 @@ class EpisodeRunner:
             raise result
         group = self._groups[group_id]
         episode = group.episodes[row]
-        suffix = GRPOTrainer._get_tool_suffix_ids(self._suffix_owner, result.messages)
+        suffix = self._suffix.ids(result.messages)
         if not episode.add_tool_results(result, suffix, self.max_completion_length, self.max_model_len):
             self._end(group_id, episode)
             return

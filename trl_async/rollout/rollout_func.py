@@ -44,6 +44,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from ..records import RolloutGroup, RolloutTask
+from .grpo_private import generate_single_turn
 
 logger = logging.getLogger(__name__)
 
@@ -391,14 +392,12 @@ def generate_with_trainer_model(trainer, prompt_ids, max_new_tokens: int | None)
     """``rollout_generate`` outside a background rollout (evaluation: on the main thread or the rollout's own threads,
     one call at a time): GRPOTrainer's own generation with the trainer's model, as its evaluation would sample (no
     log-probs: NaN)."""
-    from trl import GRPOTrainer
-
     shared = trainer.generation_config  # also the rollout workers' (their specs hold it): never changed here
     if max_new_tokens is not None:
         trainer.generation_config = copy.deepcopy(shared)
         trainer.generation_config.max_new_tokens = max_new_tokens
     try:
-        completion_ids, _ = GRPOTrainer._generate_single_turn(trainer, [list(p) for p in prompt_ids], None, {}, 1)
+        completion_ids = generate_single_turn(trainer, prompt_ids)
     finally:
         trainer.generation_config = shared
     completion_ids = [list(c) for c in completion_ids]
