@@ -213,7 +213,6 @@ def build(results: dict[str, dict]) -> list[Row]:
         pinned_against_grpo(results["dedicated_32_shared"]),
         pinned(results["dedicated_128_tta"], "generation on a core of its own", front=True),
         pinned(results["dedicated_128_worker"], "the same, equal work", front=True),
-        pinned(results["dedicated_128_fixed"], "the same, equal work (an earlier run, slower training step)"),
         pinned_vllm(results["dedicated_128_epyc"]),
         throughput(
             t,

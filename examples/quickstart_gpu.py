@@ -3,11 +3,13 @@
     pip install -e ".[vllm]" math-verify
 
     # one GPU: vLLM generates beside the trainer, on the same GPU
-    accelerate launch examples/quickstart_gpu.py --use_vllm --vllm_mode colocate --vllm_gpu_memory_utilization 0.3
+    CUDA_VISIBLE_DEVICES=0 accelerate launch --num_processes 1 examples/quickstart_gpu.py --use_vllm --vllm_mode colocate \
+        --vllm_gpu_memory_utilization 0.3
 
     # GPUs plus a vLLM server: GPU 1 generates (TRL's own server command), GPU 0 trains
-    CUDA_VISIBLE_DEVICES=1 trl vllm-serve --model Qwen/Qwen2.5-0.5B-Instruct &
-    CUDA_VISIBLE_DEVICES=0 accelerate launch examples/quickstart_gpu.py --use_vllm --vllm_mode server
+    CUDA_VISIBLE_DEVICES=1 trl vllm-serve --model Qwen/Qwen2.5-0.5B-Instruct --host 127.0.0.1 &
+    CUDA_VISIBLE_DEVICES=0 accelerate launch examples/quickstart_gpu.py --use_vllm --vllm_mode server \
+        --vllm_server_host 127.0.0.1
 
 Every field of `AsyncGRPOConfig` (GRPOConfig's and the async ones) can be given on the command line, or in a YAML
 file with `--config`: TRL's `TrlParser` reads them.
