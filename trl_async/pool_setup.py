@@ -88,7 +88,7 @@ def start_pool(trainer, progress: dict | None = None) -> RolloutPool:
         closers.append(lambda: [scorer.close() for scorer in scorers])
         return RolloutPool(
             backend, settings, prompts, read_row, make_tokenize_row(trainer), score_group, episodes, keep, closers
-        )
+        ).start()
     except BaseException:
         backend.close()  # colocated vLLM servers must not outlive a pool that never started
         for close in closers:

@@ -136,7 +136,25 @@ def make_pool(backend, max_staleness, groups_per_batch=2, queue_size=None, max_r
     )  # fmt: skip
     prompts = PromptStream(rows, groups_per_batch, shuffle=False, seed=0)
     score = lambda g, row, environments=None: ScoredGroup(g, rewards=torch.zeros(G, 1))  # noqa: E731
-    return RolloutPool(backend, settings, prompts, lambda i: {"i": i}, lambda i, row: (1, 2, i), score)
+    return RolloutPool(backend, settings, prompts, lambda i: {"i": i}, lambda i, row: (1, 2, i), score).start()
+
+
+def test_a_pool_starts_nothing_until_started():
+    backend = FakeBackend()
+    settings = PoolSettings(groups_per_batch=2, steps_per_batch=1, max_staleness=0, queue_size=2, timeout_s=10,
+                            start_version=0, num_generations=G)  # fmt: skip
+    prompts = PromptStream(16, 2, shuffle=False, seed=0)
+    before = set(threading.enumerate())
+    pool = RolloutPool(backend, settings, prompts, lambda i: {}, lambda i, row: (1,), lambda g, row, e=None: None)
+    assert backend.started == [] and pool.lanes.current == [] and set(threading.enumerate()) <= before
+    pool.start()
+    try:
+        assert len(backend.started) == 1 and {"trl_async-dispatch", "trl_async-collect"} <= {
+            t.name for t in threading.enumerate()
+        }
+    finally:
+        pool.close()
+    pool.close()  # closing again is harmless
 
 
 def wait_until(predicate, timeout=5.0):

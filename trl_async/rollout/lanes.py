@@ -43,7 +43,7 @@ class Lanes:
         the lock held): what a lost lane held; ``fail``: the pool fails with this error."""
         self.backend, self.settings, self._cv, self.activity = backend, settings, cv, activity
         self._deliver, self._requeue, self._fail = deliver, requeue, fail
-        self.current = [backend.start_lane(i) for i in range(len(backend.specs))]  # a lost lane's replacement
+        self.current: list = []  # one per spec once started; a lost lane's replacement takes its place
         self.lane_versions: dict[int, int] = {}  # lane id -> the version it reported adopting last
         self.lane_restarts = 0
         self.lost_lanes: list[str] = []  # why each lost lane was lost
@@ -51,6 +51,10 @@ class Lanes:
         self.verified_adoptions = 0
         self._expected_digests: dict[int, str] = {}
         self._last_call: dict[int, tuple[float, float]] = {}  # lane -> (start, seconds) of its newest span
+
+    def start(self) -> None:
+        """Start one lane per spec of the backend."""
+        self.current = [self.backend.start_lane(i) for i in range(len(self.backend.specs))]
 
     def expect_digest(self, version: int, digest: str) -> None:
         """The digest of the weights published as ``version`` (what lanes must report adopting)."""

@@ -136,8 +136,14 @@ class RolloutPool(PoolReadouts):
             threading.Thread(target=self._guard(self._score_loop), name=f"trl_async-score-{i}", daemon=True)
             for i in range(settings.scoring_threads)
         ]
+
+    def start(self) -> RolloutPool:
+        """Start the lanes (``Backend.start_lane``, one per spec) and the pool's threads: dispatch, collect, scoring.
+        Nothing runs before this; ``close`` stops what it started."""
+        self.lanes.start()
         for t in self._threads:
             t.start()
+        return self
 
     # ---- main thread -------------------------------------------------------------------------------------------
     def publish_base(
@@ -260,7 +266,8 @@ class RolloutPool(PoolReadouts):
             unreported = None if self._error_raised else self._error
             self._cv.notify_all()
         for t in self._threads:  # the collector stops reading; workers blocked on a full pipe are killed below
-            t.join(5)
+            if t.is_alive():
+                t.join(5)
         if self._episodes is not None:
             self._episodes.close()
         self.lanes.stop(timeout_s)
