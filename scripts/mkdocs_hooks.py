@@ -28,6 +28,7 @@ from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
 
 from mkdocs.structure.files import File, Files
+from pymdownx.slugs import slugify
 
 log = logging.getLogger("mkdocs.hooks.repository_links")
 
@@ -42,9 +43,9 @@ _REFERENCE = re.compile(r"^ {0,3}\[[^\]\n]+\]:[ \t]*(<[^<>\n]*>|\S+)")
 _BRANCH = re.compile(r"^(?:edit|blob|tree|raw)/([^/]+)/")
 _HEADING = re.compile(r"^ {0,3}#{1,6}[ \t]+(.*?)(?:[ \t]+#+)?[ \t]*$")
 _LINK_TEXT = re.compile(r"!?\[([^\]]*)\]\([^)]*\)")
-_NOT_IN_SLUG = re.compile(r"[^\w\- ]")
 _HTML_ID = re.compile(r"""<[^>]*\s(?:id|name)=["']([^"']+)["']""")
 MARKDOWN = (".md", ".markdown")
+SLUG = slugify(case="lower")  # the headings' ids on the site (mkdocs.yml's toc.slugify) and on the forge
 
 
 def lines_outside_fences(markdown: str):
@@ -73,16 +74,15 @@ def link_targets(markdown: str):
 
 
 def forge_anchors(path: Path) -> frozenset[str]:
-    """The section anchors the forge gives a Markdown file: its headings' text in lower case, every character other
-    than a letter, a digit, ``_``, ``-`` or a space dropped, each space a ``-``, a repeated one suffixed ``-1``,
-    ``-2``, ... (the same ids as the site's, mkdocs.yml's ``toc.slugify``); plus the ids of its HTML elements."""
+    """The section anchors the forge gives a Markdown file: its headings' ids by the site's own rule (``SLUG``: lower
+    case, every character other than a letter, a digit, ``_``, ``-`` or a space dropped, each space a ``-``), a
+    repeated one suffixed ``-1``, ``-2``, ...; plus the ids of its HTML elements."""
     anchors, seen = set(), {}
     for _, line in lines_outside_fences(path.read_text(encoding="utf-8")):
         anchors.update(_HTML_ID.findall(line))
         heading = _HEADING.match(line)
         if heading:
-            text = _LINK_TEXT.sub(r"\1", heading.group(1)).strip().lower()
-            slug = _NOT_IN_SLUG.sub("", text).replace(" ", "-")
+            slug = SLUG(_LINK_TEXT.sub(r"\1", heading.group(1)).strip(), "-")
             anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
             seen[slug] = seen.get(slug, 0) + 1
     return frozenset(anchors)
