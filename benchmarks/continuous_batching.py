@@ -170,10 +170,11 @@ def main() -> None:
     parser.add_argument("--max_new_tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", help="the model's dtype (default: float32 on a CPU, bfloat16 on a GPU)")
+    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (trl_async.demo.pretrained)")
     cli = parser.parse_args()
     dtype = getattr(torch, cli.dtype or ("float32" if cli.device == "cpu" else "bfloat16"))
     torch.set_num_threads(cli.threads)
-    path = smollm2_135m_instruct()
+    path = cli.model or smollm2_135m_instruct()
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(cli.device).eval()
     model.generation_config.use_cache = True

@@ -9,6 +9,8 @@ same seed and steps for every configuration:
   async_s2        the same at max_staleness=2
   sync_colocate   GRPOTrainer, vllm_mode='colocate': vLLM inside the training process, taking turns with it
   async_colocate  AsyncGRPOTrainer, vllm_mode='colocate': its own server beside the trainer, both at once
+  async_colocate_s0  the same at max_staleness=0: the synchronous schedule, so against sync_colocate it measures
+                  what the machinery costs (and every ratio must be 1)
 
 Each configuration runs in its own process. Its clock starts when its first optimizer step ends: what comes before
 (loading, an engine's start, CUDA graphs) differs between set-ups, is paid once per run, and is reported apart as
@@ -21,17 +23,22 @@ median step minus its own generation and weight sync); ``(G+T)/max(G,T)``.
 
     python benchmarks/gpu_bench.py --configs sync_server async_s1 async_s2      # results merged into one file
     python benchmarks/gpu_bench.py --configs sync_colocate async_colocate
+    # against a server already running (benchmarks/gpu_plan.py starts it with TRL's `trl vllm-serve`), one
+    # configuration at a time, G measured once:
+    python benchmarks/gpu_bench.py --url http://127.0.0.1:8000 --alone --configs sync_server
     # on CPU, a smoke run of the harness (tiny model, vLLM CPU server in .venv-vllm, gloo):
     python benchmarks/gpu_bench.py --smoke --configs async_s1 async_colocate --name gpu_bench_smoke \\
         --server_python .venv-vllm/bin/python --server_args='--enforce-eager'
 
-Writes benchmarks/results/<name>.{json,png} and, for a GPU run, the table in benchmarks/RESULTS.md.
+Writes benchmarks/results/<name>.{json,png} (``$BENCH_RESULTS_DIR`` instead, where set); an existing file is merged
+into, so configurations run one at a time add up.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -51,6 +58,7 @@ CONFIGS = {
     "async_s2": dict(kind="async", mode="server", max_staleness=2),
     "sync_colocate": dict(kind="sync", mode="colocate"),
     "async_colocate": dict(kind="async", mode="colocate", max_staleness=1),
+    "async_colocate_s0": dict(kind="async", mode="colocate", max_staleness=0),
 }
 GPU = dict(prompts=16, completions=8, length=256, micro=32, memory=0.3, max_len=1024)
 SMOKE = dict(prompts=2, completions=4, length=8, micro=8, memory=0.3, max_len=256)
@@ -133,8 +141,10 @@ def run_one(cli, name: str) -> dict:
     for entry, log in zip(steps, logs, strict=False):
         entry.update(reward=log["reward"], tokens=log["completions/mean_length"] * size["prompts"] * size["completions"],
                      weight_sync_s=log.get("async/weight_sync_s", entry.get("sync_s")),
-                     trainer_wait_s=log.get("async/trainer_wait_s"))  # fmt: skip
-    return {"config": name, "began": began, "steps": steps}
+                     trainer_wait_s=log.get("async/trainer_wait_s"), ratio_mean=log.get("is/ratio_mean"))  # fmt: skip
+    pool = getattr(trainer, "last_rollout_pool", None)  # AsyncGRPOTrainer: which transport carried the weights
+    sender = getattr(getattr(getattr(pool, "backend", None), "pusher", None), "sender", None)
+    return {"config": name, "began": began, "steps": steps, "transport": type(sender).__name__ if sender else None}
 
 
 # ---- the driver ----------------------------------------------------------------------------------------------------
@@ -213,7 +223,7 @@ def generation_alone(url: str, model: str, size: dict, seed: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="gpu_bench")
@@ -222,8 +232,9 @@ def main() -> None:
     parser.add_argument("--server_python", default=None, help="the vLLM server's Python (default: this one)")
     parser.add_argument("--server_args", default="", type=shlex.split,
                         help="more `vllm serve` arguments, one string: --server_args='--enforce-eager'")
+    parser.add_argument("--url", default=None, help="a server already running, for the server configurations")
+    parser.add_argument("--alone", action="store_true", help="with --url: measure G (generation alone) on it")
     parser.add_argument("--run", default=None, help=argparse.SUPPRESS)  # internal: one configuration
-    parser.add_argument("--url", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     cli = parser.parse_args()
     if cli.run:
@@ -242,7 +253,7 @@ def main() -> None:
 
             cli.model = smollm2_135m_instruct()
     work = Path(tempfile.mkdtemp(prefix="gpu_bench_"))
-    results_path = HERE / "results" / f"{cli.name}.json"
+    results_path = Path(os.environ.get("BENCH_RESULTS_DIR") or HERE / "results") / f"{cli.name}.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {"runs": {}}
     server = None
     transport, gpus = ("gloo", None) if cli.smoke else ("nccl", ["0"])
@@ -251,7 +262,9 @@ def main() -> None:
     if not cli.smoke:
         flags += ["--gpu-memory-utilization", str(size["memory"])]
     try:
-        if any(CONFIGS[c]["mode"] == "server" for c in cli.configs):
+        if cli.url and cli.alone:
+            results["generation_alone_s"] = round(generation_alone(cli.url, cli.model, size, cli.seed), 3)
+        elif any(CONFIGS[c]["mode"] == "server" for c in cli.configs) and not cli.url:
             started = time.perf_counter()
             server = ColocatedServer.start(cli.model, transport, flags, gpus, work / "server.log", cli.server_python)
             wait_for([server], 900)
@@ -261,7 +274,7 @@ def main() -> None:
             out = work / f"{name}.json"
             dmon = start_dmon(work / f"{name}.dmon")
             command = [sys.executable, __file__, "--run", name, "--out", str(out), "--model", cli.model,
-                       "--steps", str(cli.steps), "--seed", str(cli.seed), "--url", server.url if server else "",
+                       "--steps", str(cli.steps), "--seed", str(cli.seed), "--url", cli.url or (server.url if server else ""),
                        f"--server_args={shlex.join(cli.server_args)}"]  # fmt: skip
             command += ["--smoke"] if cli.smoke else []
             command += ["--server_python", cli.server_python] if cli.server_python else []

@@ -1,27 +1,32 @@
-"""GPU check of the vLLM backend (run by benchmarks/gpu_check.sh). Each mode trains a few asynchronous steps on one GPU
-and writes a JSON verdict to the path given as the first argument:
+"""The vLLM backend's verdicts on one GPU, in one run (benchmarks/gpu_plan.py's side track): a 1-process DeepSpeed
+ZeRO-3 trainer with parameter offload, configured with GRPOTrainer's own fields only (``use_vllm=True``,
+``vllm_mode='server'``, ``vllm_server_base_url``; the weight transport is read from the server) plus the time to wait
+for a lost server (``rollout_vllm_retry_s``), against a server started by TRL's `trl vllm-serve`:
 
-- ``trl_serve``: a DeepSpeed ZeRO-3 trainer configured with GRPOTrainer's own fields (``use_vllm=True``,
-  ``vllm_mode='server'``, ``vllm_server_base_url``) against a server started by TRL's ``trl vllm-serve``; the weight
-  transport is read from the server. The server's greedy output must then equal the trained model's.
-- ``zero3_reattach``: the same, with ``rollout_vllm_urls``; after step 2 the server is killed (SIGKILL to its process
-  group, ``GPU_CHECK_SERVER_PGID``) and started again on its port with ``GPU_CHECK_RESTART`` (a JSON command line).
-  Its lane waits; the next publish opens a new NCCL group with it, pushes the current weights, and only then gives it
-  work. The greedy check runs on the restarted server, so it checks the weights that came over the new group. The
-  restarted server's process-group id is written to ``<out>.pgid`` for the caller to stop it.
-- ``zero3_offload``: ``offload_param: cpu``: shards off the GPU take DeepSpeed's gathered path; greedy check as above.
-- ``colocate``: one process, ``use_vllm=True, vllm_mode='colocate'``: the trainer starts its own server on its GPU,
-  trains, and stops it; the verdict requires the importance ratio near 1 (the pushed weights reached the server) and
-  that no process of the server is left on the GPU afterwards."""
+- *ZeRO-3 with offload*: the matrices' shards live on the CPU (DeepSpeed's gathered path), the small parameters on the
+  GPU (the flat path): both kinds go out in each push;
+- *re-attach*: after step 2 the server is killed (SIGKILL to its process group, ``GPU_CHECK_SERVER_PGID``) and started
+  again on its port with ``GPU_CHECK_RESTART`` (a JSON command line). Its lane waits; the next publish opens a new
+  transfer group with it, pushes the current weights, and only then gives it work. The restarted server's
+  process-group id is written to ``<out>.pgid`` for the caller to stop it;
+- *greedy equality*: after training, the restarted server's greedy output must equal the trained model's (the
+  gathered ZeRO-3 weights), so the weights that came over the new group are the trainer's.
+
+The JSON verdict goes to ``--out``. ``--device cpu`` runs the same on a CPU (the plan's rehearsal: gloo instead of
+NCCL, and nothing can be off a device there).
+
+    accelerate launch --config_file ZERO3_1PROC.yaml benchmarks/gpu_check.py --out V.json --model M \
+        --url http://127.0.0.1:8000 --steps 6
+"""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import torch
@@ -70,23 +75,10 @@ def gathered_state(trainer) -> dict:
     return state
 
 
-def gpu_processes() -> list[int]:
-    """PIDs of every process holding memory on the GPU (nvidia-smi)."""
-    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True,
-                         text=True, check=False).stdout  # fmt: skip
-    return [int(x) for x in out.split() if x.strip().isdigit()]
-
-
-def main(out_path: str, model_dir: str, mode: str, url: str | None, steps: int) -> None:
-    restart = json.loads(os.environ["GPU_CHECK_RESTART"]) if mode == "zero3_reattach" else None
-    engine = {
-        "trl_serve": dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=url),
-        "colocate": dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
-                         vllm_max_model_length=256,
-                         rollout_vllm_server_args=["--enforce-eager", *os.environ.get("GPU_CHECK_SERVER_ARGS", "").split()]),
-    }.get(mode, dict(rollout_backend="vllm", rollout_vllm_urls=[url]))  # fmt: skip
+def main(out_path: str, model_dir: str, url: str, steps: int, device: str) -> None:
+    restart = json.loads(os.environ["GPU_CHECK_RESTART"])
     args = AsyncGRPOConfig(
-        output_dir="/tmp/gpu_check_out",
+        output_dir=out_path + ".run",
         per_device_train_batch_size=8,
         num_generations=4,
         max_completion_length=16,
@@ -97,21 +89,23 @@ def main(out_path: str, model_dir: str, mode: str, url: str | None, steps: int) 
         save_strategy="no",
         beta=0.0,
         max_steps=steps,
-        max_staleness=0 if mode == "colocate" else 1,  # colocate: every ratio must then be 1 (the pushed weights)
+        max_staleness=1,
         vllm_server_timeout=300,
-        # the only server is down while it restarts (a CUDA vLLM server starts in ~1-2 min): wait for it
-        **({"rollout_vllm_retry_s": 600} if restart else {}),
-        **engine,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=url,
+        rollout_vllm_retry_s=600,  # the only server is down while it restarts (about a minute on a GPU): wait for it
     )
     dataset = Dataset.from_list([{"prompt": f"q{i}:"} for i in range(32)])
-    callbacks = [KillAndRestart(restart, int(os.environ["GPU_CHECK_SERVER_PGID"]), out_path)] if restart else []
+    callbacks = [KillAndRestart(restart, int(os.environ["GPU_CHECK_SERVER_PGID"]), out_path)]
     trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset,
                                callbacks=callbacks)  # fmt: skip
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
     sharded = [p for p in trainer.model_wrapped.parameters() if hasattr(p, "ds_tensor")]
-    off_device = sum(not shard_resident(p) for p in sharded)  # shards the flat path cannot send: DeepSpeed gathers them
+    # shards the flat path cannot send: DeepSpeed gathers them
+    off_device = sum(not shard_resident(p) for p in sharded)
     state = gathered_state(trainer)
     logs = trainer.state.log_history
     staleness = [h["async/staleness_max"] for h in logs if "async/staleness_max" in h]
@@ -123,7 +117,6 @@ def main(out_path: str, model_dir: str, mode: str, url: str | None, steps: int) 
     if not trainer.accelerator.is_main_process:
         return
     verdict = {
-        "mode": mode,
         "steps": trainer.state.global_step,
         "wall_s": round(wall, 2),
         "staleness_max": max(staleness) if staleness else None,
@@ -135,32 +128,23 @@ def main(out_path: str, model_dir: str, mode: str, url: str | None, steps: int) 
         "transport": type(backend.pusher.sender).__name__,
     }
     ok = trainer.state.global_step == steps and staleness and max(staleness) <= args.max_staleness
-    if mode == "colocate":
-        servers = backend.owned
-        left = [pid for pid in gpu_processes() if pid != os.getpid()]  # (a container may hide other PIDs: see below)
-        free, total = torch.cuda.mem_get_info()
-        others = (total - free - torch.cuda.memory_reserved()) / 2**30  # held by other processes (and our context)
-        verdict["server_exit_codes"] = [s.process.returncode for s in servers]
-        verdict["gpu_processes_left"] = left
-        verdict["gpu_gib_not_ours"] = round(others, 2)  # the server held vllm_gpu_memory_utilization=0.3 of the GPU
-        ok = ok and servers and all(s.process.poll() is not None for s in servers) and not left and others < 4
-        ok = ok and all(abs(r - 1) < 0.05 for r in ratios)
-    else:
-        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-        unset_hf_deepspeed_config()  # else from_pretrained partitions it (ZeRO-3's zero.Init): every tensor of size 0
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
-        model.load_state_dict(state, strict=False)
-        server = VLLMServer(url)
-        matches = []
-        for prompt in ([5, 6, 7, 8, 9], [20, 3, 11]):
-            expected = model.generate(torch.tensor([prompt]).cuda(), max_new_tokens=16, do_sample=False,
-                                      eos_token_id=None)  # fmt: skip
-            got = server.generate(prompt, {"n": 1, "max_tokens": 16, "temperature": 0.0, "logprobs": 0,
-                                           "ignore_eos": True})  # fmt: skip
-            matches.append(list(got[0].token_ids) == expected[0, len(prompt) :].tolist())
-        verdict["greedy_matches"] = matches
-        ok = ok and all(matches) and (not restart or [r["url"] for r in reattached] == [url])
+    unset_hf_deepspeed_config()  # else from_pretrained partitions it (ZeRO-3's zero.Init): every tensor of size 0
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    model.load_state_dict(state, strict=False)
+    server = VLLMServer(url)
+    matches = []
+    for prompt in ([5, 6, 7, 8, 9], [20, 3, 11]):
+        expected = model.generate(torch.tensor([prompt], device=device), max_new_tokens=16, do_sample=False,
+                                  eos_token_id=None)  # fmt: skip
+        got = server.generate(prompt, {"n": 1, "max_tokens": 16, "temperature": 0.0, "logprobs": 0,
+                                       "ignore_eos": True})  # fmt: skip
+        matches.append(list(got[0].token_ids) == expected[0, len(prompt) :].tolist())
+    verdict["greedy_matches"] = matches
+    # the restarted server re-attached, and on a GPU the offload really put shards off it (else the gathered path
+    # was never taken)
+    ok = ok and all(matches) and [r["url"] for r in reattached] == [url] and (device == "cpu" or off_device > 0)
     verdict["ok"] = bool(ok)
     print(json.dumps(verdict))
     with open(out_path, "w") as f:
@@ -168,4 +152,11 @@ def main(out_path: str, model_dir: str, mode: str, url: str | None, steps: int) 
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] or None, int(sys.argv[5]))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    cli = parser.parse_args()
+    main(cli.out, cli.model, cli.url, cli.steps, cli.device)

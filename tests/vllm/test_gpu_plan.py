@@ -1,0 +1,72 @@
+"""The GPU plan rehearsed end to end on a CPU (benchmarks/gpu_plan.py, --dry-run): stand-in pieces cut into four
+calls, each call a process, the runner in a session of its own, both tracks, vLLM CPU servers started as `trl
+vllm-serve` starts them, and every phase under its box. One phase is planted to overrun its box: it is cut, and
+every phase after it still runs and returns its results."""
+
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_plan  # noqa: E402
+
+
+def test_the_gpu_plan_runs_end_to_end_on_a_cpu_and_an_overrun_phase_is_cut_while_the_rest_goes_on(
+    tmp_path, vllm_environment
+):
+    work = tmp_path / "rehearsal"
+    plan = gpu_plan.rehearse(work, overrides={"async_s2": 4}, gap_s=1)
+    status = {name: result["status"] for name, result in plan["phases"].items()}
+    assert plan["done"]
+    assert status == {
+        "verdict_server": "ok",
+        "zero3": "ok",
+        "convert": "ok",
+        "bench_server": "ok",
+        "generation_alone": "ok",
+        "sync_server": "skipped",  # GRPOTrainer's vLLM modes need vLLM in the trainer's environment: not on a CPU
+        "async_s1": "ok",
+        "async_s2": "cut",  # the planted overrun
+        "free_gpu": "ok",
+        "sync_colocate": "skipped",
+        "async_colocate_s0": "ok",
+        "transformers": "ok",
+        "worker_start": "ok",
+    }, json.dumps(plan["phases"], indent=1)[-4000:]
+    phases = plan["phases"]
+    assert phases["async_s2"]["why"] == "its box of 4 s ran out" and phases["async_s2"]["elapsed_s"] < 10
+
+    # the verdicts: ZeRO-3 (one process) pushed to a server that was killed, restarted and re-attached, whose
+    # greedy output then equals the trained model's
+    verdict = phases["zero3"]["verdict"]
+    assert verdict["ok"] and all(verdict["greedy_matches"]) and len(verdict["reattached"]) == 1
+    assert verdict["steps"] == 6 and verdict["zero3_params"] > 0
+
+    # the calls: the model, last to travel, arrived with call 4; each piece was unpacked once, when complete
+    calls = plan["calls"]
+    assert [c["call"] for c in calls] == [1, 2, 3, 4]
+    unpacked = {name: c["call"] for c in calls for name in c["unpacked_s"]}
+    assert unpacked["model"] == 4 and set(unpacked) == {"vllm", "wheels", "model"}
+    # the side track began before the model had arrived, the main track's speed phases after the side track ended
+    assert phases["verdict_server"]["started"] < calls[3]["began"]
+    assert phases["generation_alone"]["started"] >= phases["zero3"]["started"] + phases["zero3"]["elapsed_s"]
+
+    # what came back: at most 8 files; the benchmark's runs that finished, the cut one absent
+    out = work / "out4"
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 8 and {"plan.json", "logs.tgz", "gpu_bench.json", "worker_start.json"} <= set(files)
+    bench = json.loads((out / "gpu_bench.json").read_text())
+    assert set(bench["summary"]) == {"async_s1", "async_colocate_s0"} and bench["generation_alone_s"] > 0
+    # at max_staleness 0 every sample comes from the weights being trained: its ratio is 1
+    assert all(abs(s["ratio_mean"] - 1) < 0.01 for s in bench["runs"]["async_colocate_s0"]["steps"])
+    with tarfile.open(out / "logs.tgz") as tar:
+        assert {"zero3.log", "server_verdict.log", "server_bench.log", "runner.log"} <= set(tar.getnames())
+
+    # nothing of the plan is left running: no server, no runner, no cut phase's processes
+    assert not Path(f"/proc/{(work / 'stage' / 'runner.pid').read_text().strip()}").exists()
+    left = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(work) not in left, [line for line in left.splitlines() if str(work) in line]
