@@ -54,7 +54,9 @@ class KillAndRestart(TrainerCallback):
         os.killpg(self.pgid, signal.SIGKILL)
         time.sleep(5)  # its port and GPU memory are released with its processes
         log = open(self.out_path + ".restarted.log", "w")
-        server = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        launched = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+        env = {k: v for k, v in os.environ.items() if k not in launched and not k.startswith("TORCHELASTIC_")}
+        server = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         with open(self.out_path + ".pgid", "w") as f:
             f.write(str(server.pid))
 

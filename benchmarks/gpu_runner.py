@@ -19,7 +19,7 @@ from pathlib import Path
 from gpu_plan import DRY_SIDE_GRACE_S, HERE, PHASES, REPO, SIDE_GRACE_S, Phase, box_for, phase_result
 
 BENCH_STEPS = 8  # optimizer steps per server configuration, equal for every one
-COLOCATE_STEPS = 6
+COLOCATE_STEPS = 5
 GPU_SERVER = ["--attention-backend", "TRITON_ATTN"]  # flash attention's kernels do not travel (their size)
 CPU_SERVER = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "64"]
 
@@ -123,7 +123,10 @@ class Runner:
             return command
         size = ["--max_model_len", "1024", "--dtype", "bfloat16"] if speed else ["--max_model_len", "256", "--dtype",
                                                                                   "float32", "--enforce_eager"]  # fmt: skip
-        memory = ["--kv-cache-memory-bytes", "8G" if speed else "1G"]  # fixed: no memory profiling, starts may overlap
+        # a fixed KV cache: no memory measurement, which fails when another process frees memory meanwhile; a small
+        # utilisation: vLLM refuses to start unless that share of the GPU is free (the other track holds some)
+        memory = ["--kv-cache-memory-bytes", "8G" if speed else "1G", "--gpu_memory_utilization",
+                  "0.2" if speed else "0.05"]  # fmt: skip
         return self.python("-m", "trl.scripts.vllm_serve", "--model", model, "--host", "127.0.0.1", "--port",
                            str(port), *size, *memory, *GPU_SERVER)  # fmt: skip
 
@@ -131,6 +134,10 @@ class Runner:
         port = free_port()
         command = self.server_command(model, port, speed)
         env = {**self.env(), "VLLM_SERVER_DEV_MODE": "1"}
+        if (
+            not speed
+        ):  # Triton attention's float32 dot in full precision, as the trainer's greedy reference computes it
+            env["TRITON_F32_DEFAULT"] = "ieee"
         log = open(self.logs / f"server_{name}.log", "a")
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
                                    start_new_session=True)  # fmt: skip
@@ -139,9 +146,14 @@ class Runner:
             self.servers[name] = (process, command, url)
         start, end = time.time(), time.time() + box
         while not healthy(url):
-            if process.poll() is not None or time.time() > end:
+            exited = process.poll() is not None
+            stopped = phase.track == "side" and self.stop_side.is_set()
+            if exited or stopped or time.time() > end:
                 self.stop_server(name)
-                return {"status": "failed" if process.returncode else "cut", "why": "the server did not start"}
+                why = (
+                    "it exited" if exited else "the main track needed the GPU alone" if stopped else "its box ran out"
+                )
+                return {"status": "failed" if exited else "cut", "why": f"the server did not start: {why}"}
             time.sleep(1)
         return {"status": "ok", "url": url, "start_s": round(time.time() - start, 1)}
 
@@ -170,13 +182,20 @@ class Runner:
                 self.write(self.one(phase))
         finally:
             if track == "side":
-                for name in [n for n in self.servers if n.startswith("verdict")]:
-                    self.stop_server(name)
-                self.side_over.set()
+                try:
+                    with self.lock:
+                        names = [n for n in self.servers if n.startswith("verdict")]
+                    for name in names:
+                        self.stop_server(name)
+                finally:
+                    self.side_over.set()
 
     def one(self, phase: Phase) -> dict:
         began = time.time()
         while not self.arrived(phase.needs):
+            broken = [n for n in phase.needs if (self.stage / "failed" / n).exists()]
+            if broken:
+                return phase_result(phase, "failed", began, time.time(), 0, why=f"{broken} could not be unpacked")
             if time.time() > self.deadline or (phase.track == "side" and self.stop_side.is_set()):
                 return phase_result(phase, "cut", began, time.time(), 0, why=f"never had {phase.needs}")
             time.sleep(1)
@@ -226,8 +245,13 @@ class Runner:
         argv = self.python("-m", "accelerate.commands.launch", "--config_file", str(yaml), str(HERE / "gpu_check.py"),
                            "--out", str(out), "--model", self.tiny, "--url", url, "--steps", "6",
                            "--device", "cpu" if self.dry else "cuda")  # fmt: skip
-        env = {**self.env(), "GPU_CHECK_RESTART": json.dumps(command), "GPU_CHECK_SERVER_PGID": str(process.pid),
-               "VLLM_SERVER_DEV_MODE": "1"}  # fmt: skip
+        env = {
+            **self.env(),
+            "GPU_CHECK_RESTART": json.dumps(command),
+            "GPU_CHECK_SERVER_PGID": str(process.pid),
+            "VLLM_SERVER_DEV_MODE": "1",
+            "TRITON_F32_DEFAULT": "ieee",
+        }  # the restarted server's, as the first's
         outcome = self.command(phase, argv, box, env)
         pgid = Path(f"{out}.pgid")
         if pgid.exists():  # the restarted server: stopped with the side track
@@ -285,7 +309,7 @@ class Runner:
 
     def phase_free_gpu(self, phase: Phase, box: float) -> dict:
         self.stop_server("bench")
-        left = self.left_behind()
+        left = self.left_after()
         return {"status": "ok" if not left else "failed", "left": left}
 
     def phase_sync_colocate(self, phase: Phase, box: float) -> dict:
@@ -299,8 +323,7 @@ class Runner:
     def colocate(self, phase: Phase, box: float, config: str) -> dict:
         """A colocated run, then nothing of it may be left holding the GPU."""
         outcome = self.bench(phase, box, "--configs", config, steps=COLOCATE_STEPS)
-        time.sleep(2)  # the trainer's exit ends its server's group
-        left = self.left_behind()
+        left = self.left_after()  # the trainer's exit ends its server's group
         if left and outcome["status"] == "ok":
             outcome = {**outcome, "status": "failed"}
         return {**outcome, "left": left}
@@ -314,10 +337,17 @@ class Runner:
         out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=False).stdout
         return [line.strip() for line in out.splitlines() if "vllm" in line and str(self.stage) in line]
 
+    def left_after(self, wait_s: float = 15) -> list[str]:
+        """``left_behind`` once the processes just stopped have had ``wait_s`` to go."""
+        end = time.time() + wait_s
+        while (left := self.left_behind()) and time.time() < end:
+            time.sleep(1)
+        return left
+
     def phase_transformers(self, phase: Phase, box: float) -> dict:
         argv = self.python(str(HERE / "continuous_batching.py"), "--model", self.model)
         argv += (["--device", "cpu", "--slots", "2", "4", "--prompts", "6", "--max_new_tokens", "8"] if self.dry
-                 else ["--device", "cuda", "--slots", "64", "256", "--prompts", "256", "--max_new_tokens", "48"])  # fmt: skip
+                 else ["--device", "cuda", "--slots", "64", "256", "--prompts", "256", "--max_new_tokens", "40"])  # fmt: skip
         return self.command(phase, argv, box)
 
     def phase_worker_start(self, phase: Phase, box: float) -> dict:

