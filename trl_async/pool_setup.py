@@ -1,14 +1,16 @@
-"""The rollout pool of one ``AsyncGRPOTrainer``, built from the trainer's settings: the engine (worker processes or
-vLLM servers), the episode or ``rollout_func`` runner, and the closures the pool's background threads call to
-tokenize prompts and score groups (each thread with its own tokenizer copies). Called once per ``train`` on the main
-process; what it starts for the pool (the tool runner, the scorers) the pool closes with itself."""
+"""The rollout pool of one ``AsyncGRPOTrainer``, built from ``PoolInputs`` (what the trainer hands over, resolved
+once: nothing here reads the trainer): the engine (worker processes or vLLM servers), the episode or ``rollout_func``
+runner, and the closures the pool's background threads call to tokenize prompts and score groups (each thread with
+its own tokenizer copies). Called once per ``train`` on the main process; what it starts for the pool (the tool
+runner, the scorers) the pool closes with itself."""
 
 from __future__ import annotations
 
 import copy
-import threading
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from accelerate.utils import is_peft_model
 from transformers.utils import logging
@@ -18,15 +20,13 @@ from .engines.transformers.continuous import continuous_slots
 from .engines.transformers.worker import WorkerSpec
 from .engines.transformers.worker_process import ProcessBackend
 from .precision import device_precision
-from .records import RolloutGroup
 from .rollout.environments import EnvironmentPool
 from .rollout.episodes import EpisodeRunner
 from .rollout.filtering import SignalFilter
 from .rollout.pool import PoolSettings, RolloutPool
 from .rollout.prompts import PromptStream
-from .rollout.rollout_func import RolloutFuncRunner, with_extra_fields
-from .rollout.scored import ScoredGroup
-from .rollout.scoring import RewardScorer, decode_completions
+from .rollout.rollout_func import RolloutFuncRunner
+from .rollout.scoring import RewardScorer, group_scorer
 from .rollout.tool_calls import ToolRunner, split_tools
 from .sampling import SamplingSettings, settings_of
 from .weights.lora import adapter_tensors
@@ -36,11 +36,65 @@ logger = logging.get_logger(__name__)
 CONTEXT_ESTIMATE = 512  # prompt tokens a continuous-batching worker's KV cache is sized for, per row (rows share it)
 
 
-def start_pool(trainer, progress: dict | None = None) -> RolloutPool:
+@dataclass(frozen=True)
+class SamplingInputs:
+    """How completions are sampled: GRPOTrainer's settings, as the engines apply them."""
+
+    backend: str  # "transformers" or "vllm"
+    num_generations: int
+    temperature: float
+    top_p: float
+    top_k: int | None
+    min_p: float | None
+    repetition_penalty: float
+    max_completion_length: int
+    eos_token_ids: tuple[int, ...]
+    generation_kwargs: dict
+    generation_config: Any  # transformers' GenerationConfig: the workers' (GRPOTrainer's, with generation_kwargs)
+
+
+@dataclass(frozen=True)
+class PoolInputs:
+    """Everything the pool is built from, handed over by the trainer (trl_async/trainer_view.py builds it)."""
+
+    args: Any  # the GRPOConfig
+    async_args: Any  # AsyncFields, resolved
+    geometry: Any  # setup_checks.PoolGeometry
+    sampling: SamplingInputs
+    model: Any  # the unwrapped policy (its weights are published from it)
+    device: Any  # the trainer's torch device
+    start_version: int
+    core_split: Any  # cores.CoreSplit, or None
+    adapter_sync: bool  # LoRA: workers get the base once, then the adapters
+    colocated_gpus: list | None  # vllm_mode='colocate': each server's GPUs
+    # prompts and their rendering
+    train_dataset: Any
+    shuffle_dataset: bool
+    processing_class: Any
+    tokenizer: Any  # GRPOTrainer's tokenizer (the processing class's, for a processor)
+    chat_template: str | None
+    chat_template_kwargs: dict
+    # multi-turn and rollout_func
+    tools: list
+    environment_factories: Any
+    standalone_tools: list
+    env_tools: dict
+    multi_environment: bool
+    max_tool_calling_iterations: int | None
+    rollout_func: Callable | None
+    rollout_func_trainer: Any  # what a rollout_func receives as its trainer (TRL's contract)
+    event_loop: Any  # GRPOTrainer's async loop, if a reward or tool is async
+    # scoring
+    reward_funcs: list  # as scored on the main process (sharded reward models unsharded)
+    reward_processing_classes: list
+    reward_func_names: list[str]
+    reward_weights: Any
+    trainer_state: Callable[[], Any]
+
+
+def start_pool(p: PoolInputs, progress: dict | None = None) -> RolloutPool:
     """``progress``: the checkpoint's record of completed prompts (``PromptProgress`` state), when resuming."""
-    args, a, geometry = trainer.args, trainer.async_args, trainer._geometry
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    start_version = trainer.state.global_step
+    args, a, geometry, start_version = p.args, p.async_args, p.geometry, p.start_version
     settings = PoolSettings(
         groups_per_batch=geometry.groups_per_batch,
         steps_per_batch=geometry.steps_per_batch,
@@ -48,7 +102,7 @@ def start_pool(trainer, progress: dict | None = None) -> RolloutPool:
         queue_size=geometry.queue_size,
         timeout_s=a.rollout_timeout_s,
         start_version=start_version,
-        num_generations=trainer.num_generations,
+        num_generations=p.sampling.num_generations,
         groups_per_call=geometry.groups_per_call,
         max_restarts=a.rollout_max_restarts,
         heartbeat_timeout_s=a.rollout_heartbeat_timeout_s,
@@ -56,38 +110,36 @@ def start_pool(trainer, progress: dict | None = None) -> RolloutPool:
         consumption_window=a.rollout_consumption_window,
     )
     episodes, closers = None, []
-    if trainer.tools or trainer.environment_factories:
-        tool_runner = ToolRunner(
-            a.rollout_tool_threads, a.rollout_tool_timeout_s, getattr(trainer, "async_loop", None)
-        )
+    if p.tools or p.environment_factories:
+        tool_runner = ToolRunner(a.rollout_tool_threads, a.rollout_tool_timeout_s, p.event_loop)
         closers.append(tool_runner.close)
-        episodes = episode_runner_factory(trainer, tool_runner)
-    elif trainer.rollout_func is not None:
-        episodes = rollout_func_runner_factory(trainer)
+        episodes = episode_runner_factory(p, tool_runner)
+    elif p.rollout_func is not None:
+        episodes = rollout_func_runner_factory(p)
     prompts = PromptStream(
-        len(trainer.train_dataset),
+        len(p.train_dataset),
         geometry.groups_per_batch,
-        shuffle=trainer.shuffle_dataset,
+        shuffle=p.shuffle_dataset,
         seed=args.seed,
         skip_batches=start_version // geometry.steps_per_batch,  # a checkpoint without PromptProgress
         progress=progress,
     )
-    backend = vllm_backend(trainer, model) if a.rollout_backend == "vllm" else process_backend(trainer, model)
+    backend = vllm_backend(p) if a.rollout_backend == "vllm" else process_backend(p)
     try:
-        read_row = trainer.train_dataset.__getitem__  # once per admitted group (RolloutPool keeps the row)
+        read_row = p.train_dataset.__getitem__  # once per admitted group (RolloutPool keeps the row)
         keep = None
         if a.dynamic_sampling:  # groups without signal never take a batch slot
             keep = SignalFilter(
-                trainer.reward_weights,
+                p.reward_weights,
                 args.multi_objective_aggregation,
-                trainer.reward_func_names,
+                p.reward_func_names,
                 geometry.groups_per_batch,
                 a.dynamic_sampling_limit,
             ).keep
-        score_group, scorers = make_score_group(trainer)
+        score_group, scorers = make_score_group(p)
         closers.append(lambda: [scorer.close() for scorer in scorers])
         return RolloutPool(
-            backend, settings, prompts, read_row, make_tokenize_row(trainer), score_group, episodes, keep, closers
+            backend, settings, prompts, read_row, make_tokenize_row(p), score_group, episodes, keep, closers
         ).start()
     except BaseException:
         backend.close()  # colocated vLLM servers must not outlive a pool that never started
@@ -96,57 +148,55 @@ def start_pool(trainer, progress: dict | None = None) -> RolloutPool:
         raise
 
 
-def episode_runner_factory(trainer, tool_runner: ToolRunner):
+def episode_runner_factory(p: PoolInputs, tool_runner: ToolRunner):
     """Multi-turn episodes with ``tools`` (rollout/episodes.py): parsed and rendered with GRPOTrainer's own response
     parser, chat template and tool-suffix rendering, on copies made here (the runner's thread owns them)."""
-    config = trainer.accelerator.unwrap_model(trainer.model).config
     kwargs = dict(
-        tokenizer=copy.deepcopy(trainer._tokenizer),
-        chat_template=trainer.chat_template,
-        chat_template_kwargs=dict(trainer.chat_template_kwargs),
-        tools=list(trainer.tools),
-        max_rounds=trainer.max_tool_calling_iterations,
-        max_completion_length=trainer.max_completion_length,
-        max_model_len=getattr(config, "max_position_embeddings", None),
+        tokenizer=copy.deepcopy(p.tokenizer),
+        chat_template=p.chat_template,
+        chat_template_kwargs=dict(p.chat_template_kwargs),
+        tools=list(p.tools),
+        max_rounds=p.max_tool_calling_iterations,
+        max_completion_length=p.sampling.max_completion_length,
+        max_model_len=getattr(p.model.config, "max_position_embeddings", None),
         tool_runner=tool_runner,
-        tool_dicts=split_tools(trainer.tools),
-        num_generations=trainer.num_generations,
+        tool_dicts=split_tools(p.tools),
+        num_generations=p.sampling.num_generations,
     )
-    if trainer.environment_factories is not None:  # each episode: its own instance, reset, methods as tools
+    if p.environment_factories is not None:  # each episode: its own instance, reset, methods as tools
         kwargs.update(
-            environments=EnvironmentPool(dict(trainer.environment_factories)),
-            standalone_tools=list(trainer._standalone_tools),
-            schema_tools=dict(trainer._env_tools),
-            multi_environment=trainer._multi_environment,
+            environments=EnvironmentPool(dict(p.environment_factories)),
+            standalone_tools=list(p.standalone_tools),
+            schema_tools=dict(p.env_tools),
+            multi_environment=p.multi_environment,
         )
     return lambda **callbacks: EpisodeRunner(**kwargs, **callbacks)
 
 
-def rollout_func_runner_factory(trainer):
+def rollout_func_runner_factory(p: PoolInputs):
     """``rollout_func`` runs per admitted group on a background thread (rollout/rollout_func.py)."""
-    config = trainer.accelerator.unwrap_model(trainer.model).config
     kwargs = dict(
-        rollout_func=trainer.rollout_func,
-        trainer=trainer,
-        tokenizer=copy.deepcopy(trainer.processing_class),
-        num_generations=trainer.num_generations,
-        timeout_s=trainer.async_args.rollout_timeout_s,
-        max_model_len=getattr(config, "max_position_embeddings", None),
-        max_new_tokens=trainer.max_completion_length,
+        rollout_func=p.rollout_func,
+        trainer=p.rollout_func_trainer,
+        tokenizer=copy.deepcopy(p.processing_class),
+        num_generations=p.sampling.num_generations,
+        timeout_s=p.async_args.rollout_timeout_s,
+        max_model_len=getattr(p.model.config, "max_position_embeddings", None),
+        max_new_tokens=p.sampling.max_completion_length,
     )
     return lambda **callbacks: RolloutFuncRunner(**kwargs, **callbacks)
 
 
-def process_backend(trainer, model) -> ProcessBackend:
-    args, a = trainer.args, trainer.async_args
+def process_backend(p: PoolInputs) -> ProcessBackend:
+    args, a, model, sampling = p.args, p.async_args, p.model, p.sampling
     base = model.get_base_model() if is_peft_model(model) else model
-    fp16 = args.fp16 and trainer.accelerator.device.type != "cpu"  # accelerate autocasts only bf16 on a CPU
-    split = trainer._core_split  # rollout_cpu_affinity: each worker's cores
-    merges = adapter_tensors(model)[2] if trainer._adapter_sync else ()  # how workers rebuild the adapted weights
+    fp16 = args.fp16 and p.device.type != "cpu"  # accelerate autocasts only bf16 on a CPU
+    split = p.core_split  # rollout_cpu_affinity: each worker's cores
+    merges = adapter_tensors(model)[2] if p.adapter_sync else ()  # how workers rebuild the adapted weights
     continuous = args.use_transformers_continuous_batching  # GRPOConfig's (use_transformers_paged sets it too)
-    slots = continuous_slots(continuous, trainer._geometry.groups_per_call, trainer.num_generations)
+    slots = continuous_slots(continuous, p.geometry.groups_per_call, sampling.num_generations)
     max_context = min(getattr(base.config, "max_position_embeddings", None) or 2**20,
-                      CONTEXT_ESTIMATE + (trainer.generation_config.max_new_tokens or 0))  # fmt: skip
+                      CONTEXT_ESTIMATE + (sampling.generation_config.max_new_tokens or 0))  # fmt: skip
     specs = [
         WorkerSpec(
             worker_id=i,
@@ -156,52 +206,52 @@ def process_backend(trainer, model) -> ProcessBackend:
                 next(base.parameters()).dtype, args.bf16, fp16, device_precision(a.rollout_device)
             ),
             device=a.rollout_device,
-            generation_config=trainer.generation_config,
-            num_generations=trainer.num_generations,
-            eos_token_ids=tuple(trainer.eos_token_ids),
-            pad_token_id=trainer._tokenizer.pad_token_id,
+            generation_config=sampling.generation_config,
+            num_generations=sampling.num_generations,
+            eos_token_ids=sampling.eos_token_ids,
+            pad_token_id=p.tokenizer.pad_token_id,
             weight_update=a.rollout_weight_update or ("decode_step" if slots else "batch"),
             slots=slots,
             max_context=max_context,
             paged_settings=args.transformers_continuous_batching_config if continuous else None,
             torch_threads=(a.rollout_torch_threads or len(split.workers[i])) if split else a.resolved_rollout_threads,
             nice=a.resolved_rollout_nice,
-            seed=args.seed + 1 + i + 100_003 * trainer.state.global_step,
+            seed=args.seed + 1 + i + 100_003 * p.start_version,
             verify_weights=a.rollout_verify_weights,
             cpu_affinity=split.workers[i] if split else None,
             lora_merges=merges,
         )
         for i in range(a.num_rollout_workers)
     ]
-    if trainer._adapter_sync:  # the frozen rest once, the adapters every version (weights/lora.py)
+    if p.adapter_sync:  # the frozen rest once, the adapters every version (weights/lora.py)
         adapters, frozen = policy_specs(model, part="adapters"), policy_specs(model, part="frozen")
-        return ProcessBackend(specs, adapters, trainer._geometry.groups_per_call, base_specs=frozen)
-    return ProcessBackend(specs, policy_specs(model), trainer._geometry.groups_per_call)
+        return ProcessBackend(specs, adapters, p.geometry.groups_per_call, base_specs=frozen)
+    return ProcessBackend(specs, policy_specs(model), p.geometry.groups_per_call)
 
 
-def vllm_urls(trainer) -> list[str]:
-    args = trainer.args
-    if trainer.async_args.rollout_vllm_urls:
-        return list(trainer.async_args.rollout_vllm_urls)
+def vllm_urls(p: PoolInputs) -> list[str]:
+    args = p.args
+    if p.async_args.rollout_vllm_urls:
+        return list(p.async_args.rollout_vllm_urls)
     if args.vllm_server_base_url:
         return [args.vllm_server_base_url]
     return [f"http://{args.vllm_server_host}:{args.vllm_server_port}"]
 
 
-def start_colocated_servers(trainer, model, servers: list) -> None:
+def start_colocated_servers(p: PoolInputs, servers: list) -> None:
     """vllm_mode='colocate': start a vLLM server on each of the trainer's GPU groups, appended to ``servers`` as it
     starts (the caller stops them if anything fails), and wait for them."""
     from .engines.vllm.colocate import ColocatedServer, colocated_flags, wait_for
 
-    args, a = trainer.args, trainer.async_args
-    base = model.get_base_model() if is_peft_model(model) else model
+    args, a = p.args, p.async_args
+    base = p.model.get_base_model() if is_peft_model(p.model) else p.model
     name = getattr(base.config, "_name_or_path", None)
     if not name:
         raise ValueError(
             "GRPOConfig.vllm_mode='colocate' starts a vLLM server, which loads the model by name: pass "
             "the model as a hub id or a path (or save_pretrained it first)"
         )
-    groups = trainer._colocated_gpus
+    groups = p.colocated_gpus
     on_gpu = groups[0] is not None
     dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
     flags = colocated_flags(
@@ -228,62 +278,62 @@ def start_colocated_servers(trainer, model, servers: list) -> None:
     wait_for(servers, args.vllm_server_timeout)
 
 
-def vllm_backend(trainer, model):
+def vllm_backend(p: PoolInputs):
     owned: list = []  # colocated servers: the backend owns them once it exists, until then this does
     try:
-        if trainer.async_args.vllm_colocate:
-            start_colocated_servers(trainer, model, owned)
-        return _vllm_backend(trainer, model, [s.url for s in owned] or vllm_urls(trainer), owned)
+        if p.async_args.vllm_colocate:
+            start_colocated_servers(p, owned)
+        return _vllm_backend(p, [s.url for s in owned] or vllm_urls(p), owned)
     except BaseException:
         for server in owned:
             server.stop()
         raise
 
 
-def vllm_sampling_params(trainer) -> dict:
+def vllm_sampling_params(s: SamplingInputs) -> dict:
     """The sampling parameters of every vLLM request: GRPOTrainer's settings, then ``generation_kwargs``."""
     return {
-        "n": trainer.num_generations,
-        "temperature": trainer.temperature,
-        "top_p": trainer.top_p,
-        "top_k": -1 if trainer.top_k is None else trainer.top_k,
-        "min_p": 0.0 if trainer.min_p is None else trainer.min_p,
-        "repetition_penalty": trainer.repetition_penalty,
-        "max_tokens": trainer.max_completion_length,
-        "stop_token_ids": list(trainer.eos_token_ids),
+        "n": s.num_generations,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": -1 if s.top_k is None else s.top_k,
+        "min_p": 0.0 if s.min_p is None else s.min_p,
+        "repetition_penalty": s.repetition_penalty,
+        "max_tokens": s.max_completion_length,
+        "stop_token_ids": list(s.eos_token_ids),
         "logprobs": 0,
         "detokenize": False,
-        **(trainer.args.generation_kwargs or {}),
+        **(s.generation_kwargs or {}),
     }
 
 
-def rollout_sampling(trainer) -> SamplingSettings:
+def rollout_sampling(s: SamplingInputs) -> SamplingSettings:
     """What the rollout engine applies to the logits before sampling: the vLLM requests' parameters, or the
     transformers workers' GenerationConfig (GRPOTrainer's, with ``generation_kwargs``)."""
-    if trainer.async_args.rollout_backend == "vllm":
-        settings = settings_of("vllm", vllm_sampling_params(trainer))
+    if s.backend == "vllm":
+        settings = settings_of("vllm", vllm_sampling_params(s))
         # vLLM's min_tokens holds back the request's stop_token_ids and every EOS of the model and tokenizer
-        return replace(settings, stop_ids=tuple(sorted({*settings.stop_ids, *trainer.eos_token_ids})))
-    config = trainer.generation_config
+        return replace(settings, stop_ids=tuple(sorted({*settings.stop_ids, *s.eos_token_ids})))
+    config = s.generation_config
     settings = settings_of("transformers", config.to_dict())
     if not config.do_sample:  # greedy: generate's processors (penalty, min_new_tokens), no temperature or warpers
         settings = replace(settings, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, extra_warpers=())
     return settings
 
 
-def _vllm_backend(trainer, model, urls: list[str], owned: list):
+def _vllm_backend(p: PoolInputs, urls: list[str], owned: list):
     from .engines.vllm.backend import AdapterPlan, VLLMBackend, VLLMLaneSpec
 
-    args, a = trainer.args, trainer.async_args
-    sampling = vllm_sampling_params(trainer)
+    args, a, model = p.args, p.async_args, p.model
+    sampling = vllm_sampling_params(p.sampling)
     specs = [
         VLLMLaneSpec(
             lane_id=i,
             url=url,
             sampling_params=sampling,
-            eos_token_ids=tuple(trainer.eos_token_ids),
-            seed=args.seed + 1_000_003 * (i + 1) + 100_003 * trainer.state.global_step,
-            max_requests=a.rollout_vllm_max_requests or min(trainer._geometry.queue_size, 256),  # a thread each
+            eos_token_ids=p.sampling.eos_token_ids,
+            seed=args.seed + 1_000_003 * (i + 1) + 100_003 * p.start_version,
+            max_requests=a.rollout_vllm_max_requests or min(p.geometry.queue_size, 256),  # a thread each
             request_timeout_s=a.rollout_timeout_s,
             retry_s=a.rollout_vllm_retry_s,
         )
@@ -291,10 +341,10 @@ def _vllm_backend(trainer, model, urls: list[str], owned: list):
     ]
     return VLLMBackend.connect(
         specs,
-        max_outstanding=trainer._geometry.queue_size,
+        max_outstanding=p.geometry.queue_size,
         weight_specs=policy_specs(model, persistent_only=True),
         transport=a.rollout_vllm_weight_transport,  # 'auto': what the servers say (their /server_info)
-        trainer_device=str(trainer.accelerator.device),
+        trainer_device=str(p.device),
         owned=owned,
         bucket_bytes=int(a.weight_sync_bucket_mb * 2**20),
         pause_mode="keep" if a.resolved_weight_update == "decode_step" else "wait",
@@ -306,20 +356,19 @@ def _vllm_backend(trainer, model, urls: list[str], owned: list):
             directory=a.rollout_vllm_adapter_dir,
             keep=a.max_staleness + 2,
         )
-        if trainer._adapter_sync
+        if p.adapter_sync
         else None,
         down_limit_s=a.rollout_vllm_down_limit_s,
     )
 
 
-def make_tokenize_row(trainer):
-    tokenizer = copy.deepcopy(trainer.processing_class)
-    chat_template, template_kwargs = trainer.chat_template, trainer.chat_template_kwargs
-    tools = list(trainer.tools or []) or None  # as GRPOTrainer._tokenize_prompts renders them
-    config = trainer.accelerator.unwrap_model(trainer.model).config
-    limit = getattr(config, "max_position_embeddings", None)
-    vocab = getattr(config, "vocab_size", None)
-    completion = trainer.max_completion_length
+def make_tokenize_row(p: PoolInputs):
+    tokenizer = copy.deepcopy(p.processing_class)
+    chat_template, template_kwargs = p.chat_template, p.chat_template_kwargs
+    tools = list(p.tools or []) or None  # as GRPOTrainer._tokenize_prompts renders them
+    limit = getattr(p.model.config, "max_position_embeddings", None)
+    vocab = getattr(p.model.config, "vocab_size", None)
+    completion = p.sampling.max_completion_length
 
     def tokenize_row(index: int, row: dict) -> tuple[int, ...]:
         ids = _tokenize(row["prompt"])
@@ -357,43 +406,13 @@ def make_tokenize_row(trainer):
     return tokenize_row
 
 
-def make_score_group(trainer) -> tuple:
-    """``(score_group, scorers)``: ``score_group`` for the pool's scoring threads, each of which gets its own scorer
-    and tokenizer copies (a fast tokenizer used from two threads at once fails: "Already borrowed"; the main thread
-    keeps the trainer's, which evaluate() uses), and the list of those scorers, to close. Reward models and
-    functions themselves are shared."""
-    local = threading.local()
-    scorers: list[RewardScorer] = []
-    group_size = trainer.num_generations
+def make_score_group(p: PoolInputs) -> tuple:
+    """``(score_group, scorers)`` for the pool's scoring threads (rollout/scoring.py: what a reward function
+    receives), each scorer with the trainer's reward functions and its own reward tokenizer copies."""
 
-    def own() -> tuple:
-        if not hasattr(local, "scorer"):
-            local.tokenizer = copy.deepcopy(trainer.processing_class)
-            local.scorer = RewardScorer(
-                trainer._scoring_reward_funcs,
-                copy.deepcopy(trainer.reward_processing_classes),
-                trainer.reward_func_names,
-                trainer.chat_template_kwargs,
-                trainer.accelerator.device,
-                trainer_state=lambda: trainer.state,
-                event_loop=getattr(trainer, "async_loop", None),  # GRPOTrainer's loop, if any reward is async
-            )
-            scorers.append(local.scorer)
-        return local.tokenizer, local.scorer
+    def new_scorer() -> RewardScorer:
+        return RewardScorer(p.reward_funcs, copy.deepcopy(p.reward_processing_classes), p.reward_func_names,
+                            p.chat_template_kwargs, p.device, trainer_state=p.trainer_state,
+                            event_loop=p.event_loop)  # fmt: skip
 
-    def score_group(group: RolloutGroup, row: dict, environments: list | None = None) -> ScoredGroup:
-        tokenizer, scorer = own()
-        # environments: each episode's prompt carries its reset observation, as GRPOTrainer passes it
-        rows = [{**row, "prompt": p} for p in group.row_prompts] if group.row_prompts else [row] * group_size
-        if group.extra_fields:  # rollout_func's extra fields, merged into each row as GRPOTrainer merges them
-            rows = [with_extra_fields(r, j, group.extra_fields) for j, r in enumerate(rows)]
-        conversational = is_conversational({"prompt": rows[0]["prompt"]})
-        prompt_ids = list(group.row_prompt_ids) or [group.prompt_ids] * group_size
-        if group.completions:  # multi-turn: the parsed messages of each episode, as GRPOTrainer's loop builds them
-            completions = [list(c) for c in group.completions]
-        else:
-            completions = decode_completions(tokenizer, prompt_ids, group.completion_ids, conversational)
-        rewards, extra_logs, metrics = scorer.score(rows, completions, list(group.completion_ids), environments)
-        return ScoredGroup(group, 0, rewards, extra_logs, metrics, row)
-
-    return score_group, scorers
+    return group_scorer(new_scorer, p.processing_class, p.sampling.num_generations)

@@ -7,6 +7,7 @@ import math
 import os
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from accelerate.utils import is_peft_model
@@ -116,55 +117,71 @@ def refuse_before_loading(
         )
 
 
-def check_after_loading(trainer) -> None:
+@dataclass(frozen=True)
+class Loaded:
+    """What GRPOTrainer has set up, as the checks after loading read it (trl_async/trainer_view.py builds it)."""
+
+    args: Any  # the GRPOConfig
+    async_args: Any
+    model: Any  # unwrapped
+    device: Any  # the trainer's
+    tokenizer: Any
+    generation_config: Any
+    train_dataset: Any
+    tools: list
+    num_iterations: int
+    is_vlm: bool
+
+
+def check_after_loading(setup: Loaded) -> None:
     """What can only be checked once GRPOTrainer has set the trainer up (its model, tokenizer and arguments)."""
-    if trainer._is_vlm:
+    if setup.is_vlm:
         raise NotImplementedError("AsyncGRPOTrainer does not support vision-language models (image inputs) yet.")
-    if trainer.async_args.rollout_backend == "transformers":  # the config the workers get (a plain GRPOConfig too)
-        refused = refused_generation(trainer.generation_config)
+    if setup.async_args.rollout_backend == "transformers":  # the config the workers get (a plain GRPOConfig too)
+        refused = refused_generation(setup.generation_config)
         if refused is not None:
-            raise ValueError(f"GRPOConfig.generation_kwargs={trainer.args.generation_kwargs!r} is invalid: {refused}")
-        if trainer.args.use_transformers_continuous_batching:
-            base = trainer.accelerator.unwrap_model(trainer.model)
-            engine = continuous_engine(trainer.async_args.rollout_device or "cpu", base.config,
-                                       trainer.args.transformers_continuous_batching_config)  # fmt: skip
-            blocker = continuous_blocker(trainer.generation_config, slot_loop=engine is SlotRows)
+            raise ValueError(f"GRPOConfig.generation_kwargs={setup.args.generation_kwargs!r} is invalid: {refused}")
+        if setup.args.use_transformers_continuous_batching:
+            base = setup.model
+            engine = continuous_engine(setup.async_args.rollout_device or "cpu", base.config,
+                                       setup.args.transformers_continuous_batching_config)  # fmt: skip
+            blocker = continuous_blocker(setup.generation_config, slot_loop=engine is SlotRows)
             if blocker is not None:
                 raise ValueError(
                     f"GRPOConfig.use_transformers_continuous_batching=True is invalid with this sampler: {blocker}. "
                     "Set it to False (static batches) or change the sampler"
                 )
-            refused = refused_paged_settings(trainer.args.transformers_continuous_batching_config)
+            refused = refused_paged_settings(setup.args.transformers_continuous_batching_config)
             if refused is not None:  # a plain GRPOConfig's (an AsyncGRPOConfig refused it when it was built)
                 raise ValueError(f"GRPOConfig.transformers_continuous_batching_config is invalid: {refused}")
-    data = trainer.train_dataset
-    if trainer.tools and data is not None and "prompt" in data.column_names and not is_conversational(data[0]):
+    data = setup.train_dataset
+    if setup.tools and data is not None and "prompt" in data.column_names and not is_conversational(data[0]):
         raise ValueError(
             "`tools` need conversational prompts (lists of messages): tool calls are parsed from assistant turns "
             "with the chat template's response schema (GRPOTrainer's tool loop fails on plain-text prompts too)."
         )
-    per_batch = trainer.args.steps_per_generation * trainer.num_iterations
-    if per_batch % trainer.args.gradient_accumulation_steps != 0:
+    per_batch = setup.args.steps_per_generation * setup.num_iterations
+    if per_batch % setup.args.gradient_accumulation_steps != 0:
         raise ValueError(
             f"steps_per_generation * num_iterations ({per_batch}) must be a multiple of "
-            f"gradient_accumulation_steps ({trainer.args.gradient_accumulation_steps}) so that every generation batch "
+            f"gradient_accumulation_steps ({setup.args.gradient_accumulation_steps}) so that every generation batch "
             "is consumed at one policy version; set steps_per_generation to a multiple of it."
         )
-    if (trainer.async_args.rollout_device or "cpu").startswith("cuda") and not torch.cuda.is_available():
+    if (setup.async_args.rollout_device or "cpu").startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(
-            f"AsyncGRPOConfig.rollout_device={trainer.async_args.rollout_device!r} but CUDA is not available; "
+            f"AsyncGRPOConfig.rollout_device={setup.async_args.rollout_device!r} but CUDA is not available; "
             "use rollout_device='cpu'."
         )
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    check_vocabulary(trainer._tokenizer, getattr(model.config, "vocab_size", None))
+    model = setup.model
+    check_vocabulary(setup.tokenizer, getattr(model.config, "vocab_size", None))
     if is_peft_model(model):
         check_lora_on_tied_embeddings(model)
-    message = emulated_precision_warning(trainer.args.bf16, trainer.args.fp16, trainer.accelerator.device)
+    message = emulated_precision_warning(setup.args.bf16, setup.args.fp16, setup.device)
     if message:  # the user's setting stands (GRPOTrainer's semantics); nothing else tells them what it costs
         warnings.warn(message, UserWarning, stacklevel=3)
-    a = trainer.async_args
+    a = setup.async_args
     cpu_workers = a.rollout_backend == "transformers" and a.rollout_device == "cpu"
-    if cpu_workers and trainer.accelerator.device.type == "cpu" and os.environ.get("OMP_WAIT_POLICY") != "PASSIVE":
+    if cpu_workers and setup.device.type == "cpu" and os.environ.get("OMP_WAIT_POLICY") != "PASSIVE":
         logger.warning(
             "The trainer and its rollout workers share the CPU cores, and OMP_WAIT_POLICY is not PASSIVE: the "
             "trainer's idle OpenMP threads spin and take cycles from the workers (fewer steps per minute: "

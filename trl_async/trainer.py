@@ -42,6 +42,7 @@ from .setup_checks import (
     pool_geometry,
     refuse_before_loading,
 )
+from .trainer_view import loaded, pool_inputs, sampling_inputs
 from .trajectories import append_jsonl, trajectory_records
 from .weights.publisher import WeightPublisher
 
@@ -127,8 +128,9 @@ class AsyncGRPOTrainer(CorrectionSeam, GRPOTrainer):
             if self.async_args.vllm_colocate
             else None
         )
-        check_after_loading(self)
-        self._sampling = rollout_sampling(self)  # what the engines apply to the logits: the ratio applies it too
+        check_after_loading(loaded(self))
+        # what the engines apply to the logits: the ratio applies it too
+        self._sampling = rollout_sampling(sampling_inputs(self))
         self._sampling_differs = self._sampling.differs_from(self.temperature)
         self._publisher = WeightPublisher(  # LoRA: workers get the base once, then only the adapters
             lambda: self.accelerator.unwrap_model(self.model),
@@ -217,7 +219,7 @@ class AsyncGRPOTrainer(CorrectionSeam, GRPOTrainer):
         if self.accelerator.is_main_process:
             self._core_split = self.async_args.core_split()  # against this process's cores, before pinning
             saved = self.state.stateful_callbacks.get(PromptProgress.__name__) if self.state.global_step else None
-            self._pool = start_pool(self, saved["args"] if isinstance(saved, dict) else None)
+            self._pool = start_pool(pool_inputs(self), saved["args"] if isinstance(saved, dict) else None)
             if self._core_split is not None:  # after the workers' forkserver started (it keeps the mask it had)
                 self._pinned = PinnedTrainer(self._core_split.trainer)
         self._pool_started = True

@@ -18,6 +18,7 @@ from trl import GRPOConfig
 from trl_async import AsyncGRPOTrainer
 from trl_async.pool_setup import make_score_group
 from trl_async.records import RolloutGroup
+from trl_async.trainer_view import pool_inputs
 
 from ..conftest import (
     COMMON,
@@ -173,7 +174,7 @@ def test_the_scorer_has_its_own_reward_tokenizers(tmp_path, tiny_model_dir):
     tokenizer.save_pretrained(reward_model_dir)
     trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=[reward_model_dir, length_reward],
                                args=async_args(tmp_path), train_dataset=text_dataset())  # fmt: skip
-    score_group, scorers = make_score_group(trainer)
+    score_group, scorers = make_score_group(pool_inputs(trainer))
     group = RolloutGroup(group_id=0, prompt_index=0, prompt_ids=(5, 6), completion_ids=((7, 8),) * 4,
                          logprobs=((-1.0, -1.0),) * 4, versions=((0, 0),) * 4, lane_id=0, generate_s=0.0)  # fmt: skip
     results = []

@@ -88,6 +88,7 @@ def test_the_pools_rendering_of_a_prompt_is_grpo_trainers(tmp_path, tiny_model_d
     from trl import GRPOTrainer
 
     from trl_async.pool_setup import make_tokenize_row
+    from trl_async.trainer_view import pool_inputs
 
     from ..tool_model import multiply
 
@@ -106,7 +107,7 @@ def test_the_pools_rendering_of_a_prompt_is_grpo_trainers(tmp_path, tiny_model_d
         args = async_args(tmp_path, max_steps=1, **extra)
         trainer = AsyncGRPOTrainer(model=model, reward_funcs=_count_reward, args=args, train_dataset=ds,
                                    processing_class=processing_class, tools=tools)  # fmt: skip
-        ours = make_tokenize_row(trainer)(0, ds[0])
+        ours = make_tokenize_row(pool_inputs(trainer))(0, ds[0])
         theirs = GRPOTrainer._tokenize_prompts(trainer, [ds[0]["prompt"]])[0][0]
         decode = trainer.processing_class.decode
         assert list(ours) == list(theirs), (extra, tools, decode(ours), decode(theirs))

@@ -15,7 +15,8 @@ from transformers import AutoTokenizer
 
 from trl_async import AsyncGRPOTrainer
 from trl_async.records import RolloutGroup, RolloutTask
-from trl_async.rollout.rollout_func import _Call, build_group, replayed_output, with_extra_fields
+from trl_async.rollout.rollout_func import _Call, build_group, replayed_output
+from trl_async.rollout.scoring import with_extra_fields
 
 from ..conftest import async_args, no_rollout_children, text_dataset
 

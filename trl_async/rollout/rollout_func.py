@@ -361,19 +361,6 @@ class RolloutFuncTrainerView:
         raise AttributeError(f"rollout_func may not set trainer.{name}: it runs beside training, on another thread")
 
 
-def with_extra_fields(row: dict, index: int, extra_fields: dict) -> dict:
-    """GRPOTrainer's merge of rollout_func's extra fields into the inputs of completion ``index`` (a list gives its
-    ``index``-th value when it has one, anything else is given as it is)."""
-    row = dict(row)
-    for key, values in extra_fields.items():
-        if isinstance(values, list):
-            if index < len(values):
-                row[key] = values[index]
-        else:
-            row[key] = values
-    return row
-
-
 def replayed_output(rows: Sequence[tuple[RolloutGroup, int]]) -> dict:
     """The output a ``rollout_func`` gave for these rows (completion ``j`` of each group), in GRPOTrainer's format:
     what its ``_generate`` gets when the trainer consumes them. Extra fields are left out: the rewards were computed

@@ -1,4 +1,6 @@
-"""Reward scoring of finished groups, run in the trainer process on a background thread.
+"""Reward scoring of finished groups, run in the trainer process on a background thread, and what a reward function
+receives: ``reward_rows`` (the dataset rows, per completion) and ``decode_completions`` (the completions), put
+together by ``group_scorer`` for the pool's scoring threads.
 
 It mirrors the *local* half of ``GRPOTrainer._calculate_rewards`` (custom functions, async functions, reward models,
 ``None`` -> NaN, one value per completion) without its ``gather``: a collective must never run off the main thread.
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import inspect
 import threading
 from collections import defaultdict
@@ -23,6 +26,9 @@ from torch import nn
 from trl.chat_template_utils import parse_response
 from trl.data_utils import apply_chat_template, is_conversational
 from trl.trainer.utils import shutdown_event_loop_in_daemon, start_event_loop_in_daemon
+
+from ..records import RolloutGroup
+from .scored import ScoredGroup
 
 
 class RewardFunctionError(RuntimeError):
@@ -201,3 +207,56 @@ def unsharded_reward_models(reward_funcs: Sequence[Any], dist, is_main_process: 
         dtype = next(module.parameters()).dtype
         funcs[i] = plain.to(device=device, dtype=dtype).eval().requires_grad_(False)
     return funcs
+
+
+def with_extra_fields(row: dict, index: int, extra_fields: dict) -> dict:
+    """GRPOTrainer's merge of rollout_func's extra fields into the inputs of completion ``index`` (a list gives its
+    ``index``-th value when it has one, anything else is given as it is)."""
+    row = dict(row)
+    for key, values in extra_fields.items():
+        if isinstance(values, list):
+            if index < len(values):
+                row[key] = values[index]
+        else:
+            row[key] = values
+    return row
+
+
+def reward_rows(group: RolloutGroup, row: dict, group_size: int) -> list[dict]:
+    """The dataset row a reward function receives with each of a group's completions, as GRPOTrainer builds its
+    inputs: each episode's own prompt where it has one (an environment's reset observation), and rollout_func's
+    extra fields merged in."""
+    rows = [{**row, "prompt": p} for p in group.row_prompts] if group.row_prompts else [row] * group_size
+    if group.extra_fields:
+        rows = [with_extra_fields(r, j, group.extra_fields) for j, r in enumerate(rows)]
+    return rows
+
+
+def group_scorer(new_scorer: Callable[[], RewardScorer], processing_class, group_size: int) -> tuple:
+    """``(score_group, scorers)``: ``score_group`` for the pool's scoring threads, each of which gets its own scorer
+    (``new_scorer()``) and tokenizer copy (a fast tokenizer used from two threads at once fails: "Already borrowed";
+    the main thread keeps the trainer's, which evaluate() uses), and the list of those scorers, to close. Reward
+    models and functions themselves are shared."""
+    local = threading.local()
+    scorers: list[RewardScorer] = []
+
+    def own() -> tuple:
+        if not hasattr(local, "scorer"):
+            local.tokenizer = copy.deepcopy(processing_class)
+            local.scorer = new_scorer()
+            scorers.append(local.scorer)
+        return local.tokenizer, local.scorer
+
+    def score_group(group: RolloutGroup, row: dict, environments: list | None = None) -> ScoredGroup:
+        tokenizer, scorer = own()
+        rows = reward_rows(group, row, group_size)
+        conversational = is_conversational({"prompt": rows[0]["prompt"]})
+        prompt_ids = list(group.row_prompt_ids) or [group.prompt_ids] * group_size
+        if group.completions:  # multi-turn: the parsed messages of each episode, as GRPOTrainer's loop builds them
+            completions = [list(c) for c in group.completions]
+        else:
+            completions = decode_completions(tokenizer, prompt_ids, group.completion_ids, conversational)
+        rewards, extra_logs, metrics = scorer.score(rows, completions, list(group.completion_ids), environments)
+        return ScoredGroup(group, 0, rewards, extra_logs, metrics, row)
+
+    return score_group, scorers

@@ -1,0 +1,78 @@
+"""The trainer as the layers below it see it: the one place that reads an ``AsyncGRPOTrainer``'s attributes for
+them, GRPOTrainer's private ones included, so that a TRL release renaming one fails here, at set-up, by name.
+pool_setup.py builds the pool from ``PoolInputs`` alone, setup_checks.py checks ``Loaded``."""
+
+from __future__ import annotations
+
+from .pool_setup import PoolInputs, SamplingInputs
+from .setup_checks import Loaded
+
+
+def loaded(trainer) -> Loaded:
+    """What GRPOTrainer has set up, for the checks after loading."""
+    return Loaded(
+        args=trainer.args,
+        async_args=trainer.async_args,
+        model=trainer.accelerator.unwrap_model(trainer.model),
+        device=trainer.accelerator.device,
+        tokenizer=trainer._tokenizer,
+        generation_config=trainer.generation_config,
+        train_dataset=trainer.train_dataset,
+        tools=list(trainer.tools or []),
+        num_iterations=trainer.num_iterations,
+        is_vlm=trainer._is_vlm,
+    )
+
+
+def sampling_inputs(trainer) -> SamplingInputs:
+    """GRPOTrainer's sampling settings, as set at construction."""
+    return SamplingInputs(
+        backend=trainer.async_args.rollout_backend,
+        num_generations=trainer.num_generations,
+        temperature=trainer.temperature,
+        top_p=trainer.top_p,
+        top_k=trainer.top_k,
+        min_p=trainer.min_p,
+        repetition_penalty=trainer.repetition_penalty,
+        max_completion_length=trainer.max_completion_length,
+        eos_token_ids=tuple(trainer.eos_token_ids),
+        generation_kwargs=dict(trainer.args.generation_kwargs or {}),
+        generation_config=trainer.generation_config,
+    )
+
+
+def pool_inputs(trainer) -> PoolInputs:
+    """The trainer's settings and collaborators for a pool started now (its version is the current step)."""
+    environments = trainer.environment_factories is not None  # GRPOTrainer sets these three for environments only
+    return PoolInputs(
+        args=trainer.args,
+        async_args=trainer.async_args,
+        geometry=trainer._geometry,
+        sampling=sampling_inputs(trainer),
+        model=trainer.accelerator.unwrap_model(trainer.model),
+        device=trainer.accelerator.device,
+        start_version=trainer.state.global_step,
+        core_split=trainer._core_split,
+        adapter_sync=trainer._adapter_sync,
+        colocated_gpus=trainer._colocated_gpus,
+        train_dataset=trainer.train_dataset,
+        shuffle_dataset=trainer.shuffle_dataset,
+        processing_class=trainer.processing_class,
+        tokenizer=trainer._tokenizer,
+        chat_template=trainer.chat_template,
+        chat_template_kwargs=dict(trainer.chat_template_kwargs or {}),
+        tools=list(trainer.tools or []),
+        environment_factories=trainer.environment_factories,
+        standalone_tools=list(trainer._standalone_tools) if environments else [],
+        env_tools=dict(trainer._env_tools) if environments else {},
+        multi_environment=trainer._multi_environment if environments else False,
+        max_tool_calling_iterations=trainer.max_tool_calling_iterations,
+        rollout_func=trainer.rollout_func,
+        rollout_func_trainer=trainer,
+        event_loop=getattr(trainer, "async_loop", None),
+        reward_funcs=trainer._scoring_reward_funcs,
+        reward_processing_classes=trainer.reward_processing_classes,
+        reward_func_names=trainer.reward_func_names,
+        reward_weights=trainer.reward_weights,
+        trainer_state=lambda: trainer.state,
+    )
