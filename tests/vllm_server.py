@@ -114,11 +114,12 @@ def trl_vllm_serve_command(python: str, model_dir: str, port: int, extra: list[s
 
 
 # what the vLLM tests use, by fixture name, in the order they first need it (the tests run in file order)
-PRESTART_ORDER = ("vllm_model_dir", "vllm_server", "vllm_server_to_kill", "vllm_server_to_restart", "vllm_lone_server",
-                  "vllm_tool_model_dir", "vllm_tool_server", "vllm_server_to_heal", "vllm_pair_to_heal_a",
-                  "vllm_pair_to_heal_b", "gpu_plan_rehearsal")  # fmt: skip
-# the GPU plan's rehearsal (tests/vllm/test_gpu_plan.py), with async_s2 planted to overrun its box: run last, once the
-# servers before it are up (idle, they take no CPU), beside the tests still running
+PRESTART_ORDER = ("gpu_plan_rehearsal", "vllm_model_dir", "vllm_server", "vllm_server_to_kill", "vllm_server_to_restart",
+                  "vllm_lone_server", "vllm_tool_model_dir", "vllm_tool_server", "vllm_server_to_heal",
+                  "vllm_pair_to_heal_a", "vllm_pair_to_heal_b")  # fmt: skip
+# the GPU plan's rehearsal (tests/vllm/test_gpu_plan.py), with async_s2 planted to overrun its box: first, beside the
+# tests that run before the vLLM ones, and ended before the servers below start (each holds about 2 GB: with them all
+# up, the rehearsal's own servers would leave too little memory on a 24 GB machine)
 REHEARSAL_BOXES = {"async_s2": 4}
 _NEEDS = {
     "vllm_server": "vllm_model_dir",
