@@ -35,7 +35,6 @@ CPU servers (.venv-vllm), pushes go over gloo, boxes are seconds, and the four c
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -48,6 +47,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path.insert(0, str(REPO))
+
+from trl_async.demo.pretrained import sha256_of as sha256  # noqa: E402 - the standard library only, as this module
+
 CAP_MIB = 56  # a call's payload: 64 MiB less the project's tree (about 6 MiB) and a margin
 CALLS = 4
 # from the first call's start on: 12 minutes less the machine's start (up to 2 minutes), the first call's transfer
@@ -103,14 +106,6 @@ def pack(sizes: list[tuple[str, int]], cap: int) -> list[list[tuple[str, int, in
             calls[-1].append((name, offset, length))
             offset, room = offset + length, room - length
     return calls
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def write_calls(pieces: dict[str, Path], root: Path, cap: int, calls: int = CALLS) -> dict:
@@ -300,7 +295,6 @@ def summarise(stage: Path, out: Path) -> dict:
 def rehearse(work: Path, overrides: dict | None = None, gap_s: float = 2.0) -> dict:
     """The plan end to end on this machine: stand-in pieces cut into four calls, each call a process (as on the
     device), the runner in a session of its own, the tiny model as the real one; returns the last call's plan.json."""
-    sys.path.insert(0, str(REPO))
     from trl_async.demo.tiny import save_tiny_model
 
     shutil.rmtree(work, ignore_errors=True)
