@@ -82,7 +82,9 @@ class PoolInputs:
     multi_environment: bool
     max_tool_calling_iterations: int | None
     rollout_func: Callable | None
-    rollout_func_trainer: Any  # what a rollout_func receives as its trainer (TRL's contract)
+    rollout_func_view: (
+        Callable  # (generate, tokenizer) -> what a rollout_func receives as its trainer (TRL's contract)
+    )
     event_loop: Any  # GRPOTrainer's async loop, if a reward or tool is async
     # scoring
     reward_funcs: list  # as scored on the main process (sharded reward models unsharded)
@@ -177,7 +179,8 @@ def rollout_func_runner_factory(p: PoolInputs):
     """``rollout_func`` runs per admitted group on a background thread (rollout/rollout_func.py)."""
     kwargs = dict(
         rollout_func=p.rollout_func,
-        trainer=p.rollout_func_trainer,
+        trainer_view=p.rollout_func_view,
+        version=lambda: p.trainer_state().global_step,
         tokenizer=copy.deepcopy(p.processing_class),
         num_generations=p.sampling.num_generations,
         timeout_s=p.async_args.rollout_timeout_s,

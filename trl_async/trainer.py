@@ -34,7 +34,7 @@ from .pool_setup import rollout_sampling, start_pool
 from .progress import AsyncProgressCallback, batch_metrics
 from .records import RolloutGroup
 from .rollout.pool import RolloutPool
-from .rollout.rollout_func import RolloutFuncRunner, generate_with_trainer_model, replayed_output
+from .rollout.rollout_func import RolloutFuncRunner, replayed_output
 from .rollout.scored import ScoredGroup
 from .rollout.scoring import unsharded_reward_models
 from .setup_checks import (
@@ -42,7 +42,7 @@ from .setup_checks import (
     pool_geometry,
     refuse_before_loading,
 )
-from .trainer_view import loaded, pool_inputs, sampling_inputs
+from .trainer_view import generate_with_trainer_model, loaded, pool_inputs, sampling_inputs
 from .trajectories import append_jsonl, trajectory_records
 from .weights.publisher import WeightPublisher
 

@@ -1,10 +1,16 @@
 """The trainer as the layers below it see it: the one place that reads an ``AsyncGRPOTrainer``'s attributes for
 them, GRPOTrainer's private ones included, so that a TRL release renaming one fails here, at set-up, by name.
-pool_setup.py builds the pool from ``PoolInputs`` alone, setup_checks.py checks ``Loaded``."""
+pool_setup.py builds the pool from ``PoolInputs`` alone, setup_checks.py checks ``Loaded``. A user's ``rollout_func``
+gets the trainer itself (TRL's contract), through ``RolloutFuncTrainerView`` on a background thread."""
 
 from __future__ import annotations
 
+import copy
+import functools
+import math
+
 from .pool_setup import PoolInputs, SamplingInputs
+from .rollout.grpo_private import generate_single_turn
 from .setup_checks import Loaded
 
 
@@ -68,7 +74,7 @@ def pool_inputs(trainer) -> PoolInputs:
         multi_environment=trainer._multi_environment if environments else False,
         max_tool_calling_iterations=trainer.max_tool_calling_iterations,
         rollout_func=trainer.rollout_func,
-        rollout_func_trainer=trainer,
+        rollout_func_view=functools.partial(RolloutFuncTrainerView, trainer),
         event_loop=getattr(trainer, "async_loop", None),
         reward_funcs=trainer._scoring_reward_funcs,
         reward_processing_classes=trainer.reward_processing_classes,
@@ -76,3 +82,40 @@ def pool_inputs(trainer) -> PoolInputs:
         reward_weights=trainer.reward_weights,
         trainer_state=lambda: trainer.state,
     )
+
+
+class RolloutFuncTrainerView:
+    """What ``rollout_func`` receives as ``trainer`` on a background thread: the trainer's attributes, read-only, but
+    its own tokenizer copy and ``rollout_generate`` bound to this thread's rollout (``generate``)."""
+
+    def __init__(self, trainer, generate, tokenizer) -> None:
+        object.__setattr__(self, "_trainer", trainer)
+        object.__setattr__(self, "rollout_generate", generate)  # the rollout's own threads may sample through it too
+        object.__setattr__(self, "processing_class", tokenizer)
+        object.__setattr__(self, "_tokenizer", getattr(tokenizer, "tokenizer", tokenizer))  # a processor's tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self._trainer, name)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"rollout_func may not set trainer.{name}: it runs beside training, on another thread")
+
+
+def generate_with_trainer_model(trainer, prompt_ids, max_new_tokens: int | None) -> dict:
+    """``rollout_generate`` outside a background rollout (evaluation: on the main thread or the rollout's own threads,
+    one call at a time): GRPOTrainer's own generation with the trainer's model, as its evaluation would sample (no
+    log-probs: NaN)."""
+    shared = trainer.generation_config  # also the rollout workers' (their specs hold it): never changed here
+    if max_new_tokens is not None:
+        trainer.generation_config = copy.deepcopy(shared)
+        trainer.generation_config.max_new_tokens = max_new_tokens
+    try:
+        completion_ids = generate_single_turn(trainer, prompt_ids)
+    finally:
+        trainer.generation_config = shared
+    completion_ids = [list(c) for c in completion_ids]
+    return {
+        "completion_ids": completion_ids,
+        "logprobs": [[math.nan] * len(c) for c in completion_ids],
+        "versions": [[trainer.state.global_step] * len(c) for c in completion_ids],
+    }

@@ -74,9 +74,11 @@ def test_a_reported_version_newer_than_the_trainer_or_empty_completions_are_refu
 def test_the_runner_delivers_each_turn_to_its_rollout_and_closing_ends_a_waiting_one():
     """Without workers: ``submit_turn`` answers some turns at once (as the collector would, by key) and holds the
     others; the answered rollout finishes with its tokens' versions, the held one ends silently at close."""
+    import functools
     from types import SimpleNamespace
 
     from trl_async.rollout.rollout_func import RolloutFuncRunner
+    from trl_async.trainer_view import RolloutFuncTrainerView
 
     submitted, finished, failed, hold = [], [], [], threading.Event()
 
@@ -94,8 +96,8 @@ def test_the_runner_delivers_each_turn_to_its_rollout_and_closing_ends_a_waiting
         hold.set()
         return {"prompt_ids": ids, "completion_ids": out["completion_ids"], "logprobs": out["logprobs"]}
 
-    trainer = SimpleNamespace(state=SimpleNamespace(global_step=7))
-    runner = RolloutFuncRunner(rollout_func=rollout, trainer=trainer, tokenizer=object(),
+    view = functools.partial(RolloutFuncTrainerView, SimpleNamespace(state=SimpleNamespace(global_step=7)))
+    runner = RolloutFuncRunner(rollout_func=rollout, trainer_view=view, version=lambda: 7, tokenizer=object(),
                                row=lambda group_id: {"prompt": "a"}, num_generations=2, timeout_s=30, max_model_len=None, max_new_tokens=4,
                                submit_turn=submit_turn, finished=finished.append, fail=failed.append)  # fmt: skip
     runner.start(RolloutTask(0, 0, (), 7))

@@ -62,8 +62,9 @@ def test_closing_the_rollout_func_runner_waits_for_a_running_rollout():
         return {"prompt_ids": [[1]] * len(prompts), "completion_ids": [[2]] * len(prompts),
                 "logprobs": [[-1.0]] * len(prompts), "policy_version": 0}  # fmt: skip
 
-    trainer = type("Trainer", (), {"state": type("State", (), {"global_step": 0})()})()
-    runner = RolloutFuncRunner(rollout_func=slow_rollout, trainer=trainer, tokenizer=object(), num_generations=2,
+    view = lambda generate, tokenizer: None  # noqa: E731 - the rollout above uses none of it
+    runner = RolloutFuncRunner(rollout_func=slow_rollout, trainer_view=view, version=lambda: 0, tokenizer=object(),
+                               num_generations=2,
                                timeout_s=30, max_model_len=None, max_new_tokens=4, submit_turn=lambda task: None,
                                finished=delivered.append, fail=failed.append, row=lambda group_id: {"prompt": "a"})  # fmt: skip
     runner.start(RolloutTask(0, 0, (), 0))

@@ -11,7 +11,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "trl_async"
 TRAINER_SIDE = {"trainer.py", "trainer_view.py", "correction_seam.py"}  # the trainer and its own mixin
-EXCEPTIONS = {"rollout/rollout_func.py"}
+EXCEPTIONS: set[str] = set()
 
 pytestmark = pytest.mark.unit
 

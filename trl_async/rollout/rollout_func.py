@@ -32,6 +32,7 @@ forwarded to the reward functions as GRPOTrainer forwards it.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 import numbers
@@ -44,7 +45,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from ..records import RolloutGroup, RolloutTask
-from .grpo_private import generate_single_turn
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +188,8 @@ class RolloutFuncRunner:
         self,
         *,
         rollout_func: Callable,
-        trainer,
+        trainer_view: Callable[[Callable, object], object],
+        version: Callable[[], int],
         tokenizer,
         num_generations: int,
         timeout_s: float,
@@ -200,11 +201,14 @@ class RolloutFuncRunner:
         row: Callable[[int], dict],
         abandon=None,
     ) -> None:
-        """``row(group_id)``: a group's dataset row, as the pool read it at admission."""
+        """``row(group_id)``: a group's dataset row, as the pool read it at admission. ``trainer_view(generate,
+        tokenizer)``: what ``rollout_func`` receives as its ``trainer``, sampling with ``generate`` and tokenizing with
+        this rollout's own ``tokenizer``; ``version()``: the trainer's policy version now."""
         self.rollout_func, self.row, self.num_generations = rollout_func, row, num_generations
         self.timeout_s, self.max_model_len, self.max_new_tokens = timeout_s, max_model_len, max_new_tokens
         self.submit_turn, self.finished, self.fail = submit_turn, finished, fail
-        self.trainer, self._tokenizer = trainer, tokenizer  # a private copy: the threads copy it, never the trainer's
+        self.trainer_view, self.version = trainer_view, version
+        self._tokenizer = tokenizer  # a private copy: the threads copy it, never the trainer's
         self._tokenizers: queue.SimpleQueue = queue.SimpleQueue()  # copies, each used by one rollout at a time
         self._local = threading.local()
         self._waiting: dict[tuple, Future] = {}
@@ -314,6 +318,9 @@ class RolloutFuncRunner:
             "versions": [list(v) for v in result.versions],
         }
 
+    def _generate_for(self, call: _Call, prompt_ids, max_new_tokens: int | None = None) -> dict:
+        return self.generate(prompt_ids, max_new_tokens, call)  # the rollout's own threads sample through it too
+
     def _run(self, task: RolloutTask) -> None:
         self._local.call = call = _Call(task)
         try:
@@ -323,8 +330,9 @@ class RolloutFuncRunner:
         try:
             prompt = self.row(task.group_id)["prompt"]
             prompts = [copy.deepcopy(prompt) for _ in range(self.num_generations)]
-            output = self.rollout_func(prompts, RolloutFuncTrainerView(self.trainer, self, tokenizer, call))
-            group = build_group(task, output, call, self.num_generations, self.trainer.state.global_step)
+            generate = functools.partial(self._generate_for, call)
+            output = self.rollout_func(prompts, self.trainer_view(generate, tokenizer))
+            group = build_group(task, output, call, self.num_generations, self.version())
             if not self._closed.is_set():  # a rollout that outlived training hands nothing to the closed pool
                 self.finished(group)
         except _Closed:
@@ -340,27 +348,6 @@ class RolloutFuncRunner:
                 self._threads.discard(threading.current_thread())
 
 
-class RolloutFuncTrainerView:
-    """What ``rollout_func`` receives as ``trainer`` on a background thread: the trainer's attributes, but its own
-    tokenizer copy and ``rollout_generate`` bound to this thread's group."""
-
-    def __init__(self, trainer, runner: RolloutFuncRunner, tokenizer, call: _Call) -> None:
-        object.__setattr__(self, "_trainer", trainer)
-        object.__setattr__(self, "_runner", runner)
-        object.__setattr__(self, "_call", call)  # the rollout's own threads may sample through the view too
-        object.__setattr__(self, "processing_class", tokenizer)
-        object.__setattr__(self, "_tokenizer", getattr(tokenizer, "tokenizer", tokenizer))  # a processor's tokenizer
-
-    def rollout_generate(self, prompt_ids, max_new_tokens: int | None = None) -> dict:
-        return self._runner.generate(prompt_ids, max_new_tokens, self._call)
-
-    def __getattr__(self, name):
-        return getattr(self._trainer, name)
-
-    def __setattr__(self, name, value):
-        raise AttributeError(f"rollout_func may not set trainer.{name}: it runs beside training, on another thread")
-
-
 def replayed_output(rows: Sequence[tuple[RolloutGroup, int]]) -> dict:
     """The output a ``rollout_func`` gave for these rows (completion ``j`` of each group), in GRPOTrainer's format:
     what its ``_generate`` gets when the trainer consumes them. Extra fields are left out: the rewards were computed
@@ -373,23 +360,3 @@ def replayed_output(rows: Sequence[tuple[RolloutGroup, int]]) -> dict:
     if any(g.tool_mask for g, _ in rows):
         out["env_mask"] = [list(g.tool_mask[j]) if g.tool_mask else [1] * len(g.completion_ids[j]) for g, j in rows]
     return out
-
-
-def generate_with_trainer_model(trainer, prompt_ids, max_new_tokens: int | None) -> dict:
-    """``rollout_generate`` outside a background rollout (evaluation: on the main thread or the rollout's own threads,
-    one call at a time): GRPOTrainer's own generation with the trainer's model, as its evaluation would sample (no
-    log-probs: NaN)."""
-    shared = trainer.generation_config  # also the rollout workers' (their specs hold it): never changed here
-    if max_new_tokens is not None:
-        trainer.generation_config = copy.deepcopy(shared)
-        trainer.generation_config.max_new_tokens = max_new_tokens
-    try:
-        completion_ids = generate_single_turn(trainer, prompt_ids)
-    finally:
-        trainer.generation_config = shared
-    completion_ids = [list(c) for c in completion_ids]
-    return {
-        "completion_ids": completion_ids,
-        "logprobs": [[math.nan] * len(c) for c in completion_ids],
-        "versions": [[trainer.state.global_step] * len(c) for c in completion_ids],
-    }
