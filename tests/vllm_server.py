@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trl_async.engines.vllm.client import VLLMServer
-from trl_async.engines.vllm.push import free_port
+from trl_async.engines.vllm.weight_push.fan_out import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".venv-vllm"

@@ -34,7 +34,7 @@ def copy(tmp_path):
 @pytest.mark.parametrize(
     ("module", "planted", "broken"),
     [
-        ("weights/gloo.py", "from ..rollout import pool", "layers"),  # the weights reach up into the pipeline
+        ("weights/buckets.py", "from ..rollout import pool", "layers"),  # the weights reach up into the pipeline
         ("rollout/pool.py", "from ..engines.vllm import backend", "the rollout pool knows the engines only"),
         ("engines/transformers/worker.py", "import trl", "a rollout worker process imports no TRL"),
         ("engines/transformers/decoding.py", "from . import worker", "no import cycles"),

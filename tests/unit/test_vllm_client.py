@@ -120,7 +120,7 @@ def test_a_re_attached_lane_counts_its_silence_from_the_re_attach_not_from_its_l
     pushed), which takes seconds for a large model. The re-attach is itself the server answering: the lane must not be
     found silent the moment it is attached."""
     from trl_async.engines.vllm import server_lane
-    from trl_async.engines.vllm.reattach import Return
+    from trl_async.engines.vllm.weight_push.recovery import Return
 
     monkeypatch.setattr(server_lane, "HEALTH_INTERVAL_S", 3600.0)  # no health check runs here: the clock is set below
     spec = server_lane.VLLMLaneSpec(0, stand_in.url, {"n": 1}, (0,), 0, 1, 30.0, 1.0)

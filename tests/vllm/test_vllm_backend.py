@@ -18,9 +18,11 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl_async.engines.vllm.backend import cut_after_eos
 from trl_async.engines.vllm.client import VLLMServer, VLLMServerError, completions_from_response, token_versions
-from trl_async.engines.vllm.push import VLLMWeightPusher, free_port
+from trl_async.engines.vllm.weight_push.fan_out import free_port
+from trl_async.engines.vllm.weight_push.gloo_wire import receive_buckets, send_buckets
+from trl_async.engines.vllm.weight_push.pusher import VLLMWeightPusher
 from trl_async.rollout.pool import RolloutLaneError
-from trl_async.weights.gloo import plan_buckets, receive_buckets, send_buckets
+from trl_async.weights.buckets import plan_buckets
 from trl_async.weights.policy import iter_policy_buckets, policy_specs
 
 # ---- no server ------------------------------------------------------------------------------------------------
@@ -121,7 +123,7 @@ def test_cut_after_first_eos():
 
 
 def _receive(port, names, dtypes, shapes, bucket_bytes, out):
-    from trl_async.weights.gloo import open_group
+    from trl_async.engines.vllm.weight_push.gloo_wire import open_group
 
     group = open_group("127.0.0.1", port, 1, 2, 30)
     out.put(
@@ -130,7 +132,7 @@ def _receive(port, names, dtypes, shapes, bucket_bytes, out):
 
 
 def test_gloo_buckets_arrive_intact_across_processes():
-    from trl_async.weights.gloo import open_group
+    from trl_async.engines.vllm.weight_push.gloo_wire import open_group
 
     tensors = {
         "a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
@@ -336,7 +338,7 @@ def test_of_equally_loaded_servers_the_one_idle_longest_gets_the_next_group():
 def test_a_server_back_while_no_other_works_makes_take_ask_for_a_weight_sync():
     """Re-attaching happens at a weight sync, and with no lane taking work no training step would ever bring one:
     ``take`` returns None for the trainer to publish again (trainer.py), and keeps the groups it had for later."""
-    from trl_async.engines.vllm.reattach import Return
+    from trl_async.engines.vllm.weight_push.recovery import Return
 
     stub = _StubServer()  # holds its requests until released
     pool = _pool_over([stub], queue_size=3)
@@ -544,7 +546,7 @@ def test_a_server_that_dies_mid_run_stops_training_with_an_error_naming_it(
                 server.stop()
                 killed["at"] = time.monotonic()
 
-    # its only server: the lane waits for it (reattach.py) until rollout_vllm_retry_s with no server working
+    # its only server: the lane waits for it (weight_push/recovery.py) until rollout_vllm_retry_s with no server working
     args = _vllm_args(tmp_path, server.url, max_steps=50, rollout_heartbeat_timeout_s=3, rollout_vllm_retry_s=2)
     trainer = AsyncGRPOTrainer(
         model=vllm_model_dir, reward_funcs=_reward, args=args, train_dataset=_dataset(), callbacks=[KillServer()]

@@ -23,7 +23,7 @@ def _trl_args(tmp_path, **fields):
 
 def test_grpo_trainers_server_fields_reach_a_running_server(tmp_path, vllm_server, vllm_model_dir):
     from tests.vllm.test_vllm_backend import _dataset, _reward
-    from trl_async.engines.vllm.push import GlooSender
+    from trl_async.engines.vllm.weight_push.gloo import GlooSender
 
     port = urllib.parse.urlsplit(vllm_server.url).port
     for fields in (dict(vllm_server_base_url=vllm_server.url),

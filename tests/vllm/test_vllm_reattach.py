@@ -1,11 +1,11 @@
-"""vLLM servers that come back (engines/vllm/reattach.py): the waiting lane's rules by hand, then a real server
+"""vLLM servers that come back (engines/vllm/weight_push/recovery.py): the waiting lane's rules by hand, then a real server
 killed mid-run and restarted on its port while training goes on with another one."""
 
 from __future__ import annotations
 
 import pytest
 
-from trl_async.engines.vllm.reattach import Return, identity
+from trl_async.engines.vllm.weight_push.recovery import Return, identity
 
 
 def _info(model="/models/a", rank=None):

@@ -20,8 +20,8 @@ from tests.vllm.test_vllm_backend import _dataset, _reward, _vllm_args
 from tests.vllm.test_vllm_reattach import Forwarder
 from tests.vllm_server import start_server
 from trl_async.engines.vllm import backend as backend_module
-from trl_async.engines.vllm import push as push_module
 from trl_async.engines.vllm.client import VLLMServer
+from trl_async.engines.vllm.weight_push import gloo as push_module
 
 
 class Restartable:

@@ -5,7 +5,7 @@ routed. One ``Lanes`` belongs to one ``RolloutPool`` and shares its lock; the po
 A lane that exits, or sends no heartbeat for ``heartbeat_timeout_s``, is lost: killed, what it held handed back to
 the pool (``requeue``: first turns go back to admission, later turns of episodes are generated again from the same
 context), and restarted with the newest weights (a vLLM server's lane waits for the server to come back and is
-re-attached: engines/vllm/reattach.py), up to ``max_restarts`` times; after that, the pool fails with the reason. A
+re-attached: engines/vllm/weight_push/recovery.py), up to ``max_restarts`` times; after that, the pool fails with the reason. A
 lane's report of adopted weights is checked against the digest of what was published (``rollout_verify_weights``)."""
 
 from __future__ import annotations

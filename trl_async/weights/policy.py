@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .gloo import plan_buckets
+from .buckets import plan_buckets
 from .lora import adapter_tensors, clean_peft_name
 from .lora_merge import SCALES
 

@@ -37,7 +37,7 @@ from transformers.utils import logging
 
 from ...weights.lora_merge import LoraMerge
 from .client import VLLMServer
-from .push import _all
+from .weight_push.fan_out import on_all
 
 logger = logging.get_logger(__name__)
 
@@ -130,7 +130,7 @@ class ServedAdapters:
             write_adapter(path, tensors, rank)
             with self._lock:
                 self.resident.append(version)  # before the loads: if one fails, close() still unloads the others
-        errors = _all(targets, lambda s: _error_of(lambda: s.load_lora_adapter(self.name(version), str(path))))
+        errors = on_all(targets, lambda s: _error_of(lambda: s.load_lora_adapter(self.name(version), str(path))))
         for server, error in zip(targets, errors, strict=True):
             if error is not None and server.healthy(timeout_s=2.0):
                 raise error
@@ -169,7 +169,7 @@ class ServedAdapters:
             self.held_back = [v for v in old if v in self._in_use]
             self.resident = [v for v in self.resident if v not in gone]
         for version in gone:
-            _all(servers or self.servers, lambda s, v=version: s.unload_lora_adapter(self.name(v)))
+            on_all(servers or self.servers, lambda s, v=version: s.unload_lora_adapter(self.name(v)))
             shutil.rmtree(self.directory / f"v{version}", ignore_errors=True)
         return gone
 

@@ -9,7 +9,7 @@ shared. Each token comes back with its log-prob under the distribution vLLM samp
 weights that sampled it (vLLM's ``weight_versions`` spans; a weight push labels the weights with the policy version).
 
 A lane health-checks its server every 0.5 s; a server silent for ``rollout_heartbeat_timeout_s`` is lost: what it
-held is generated again on the other servers, and its lane is replaced by one that waits for it (reattach.py). A
+held is generated again on the other servers, and its lane is replaced by one that waits for it (weight_push/recovery.py). A
 server that fails a weight sync, whatever its phase, is lost the same way, with every member of a push that broke off
 (``_lose_or_raise``). When
 it answers again as the same server, the next publish re-opens the weight transport with it, pushes the current
@@ -25,13 +25,14 @@ from collections.abc import Sequence
 
 from transformers.utils import logging
 
+from ...weights.buckets import Buckets
 from ...weights.lora_merge import served_adapter
 from .adapters import AdapterPlan  # noqa: F401 - pool_setup builds it from here
 from .client import VLLMServer
-from .push import Buckets, VLLMWeightPusher
-from .reattach import Return
 from .server_checks import ServerSurvey, survey_servers
 from .server_lane import VLLMLane, VLLMLaneSpec, cut_after_eos  # noqa: F401 - importable from here
+from .weight_push.pusher import VLLMWeightPusher
+from .weight_push.recovery import Return
 
 logger = logging.get_logger(__name__)
 PROBE = (1, 2, 3, 4, 5, 6, 7, 8)  # the prompt a returning server and a peer both complete greedily
@@ -42,7 +43,7 @@ class VLLMBackend:
     base is pushed once (``publish_base``) and each version is loaded as a named adapter (``publish``), unless a
     server cannot serve the adapters: then ``adapter_blocker`` says why and every version is pushed merged."""
 
-    restartable = True  # a lost server's lane waits for it to come back (reattach.py)
+    restartable = True  # a lost server's lane waits for it to come back (weight_push/recovery.py)
     owned: Sequence = ()  # colocated servers (colocate.py), stopped with the backend
     restart_note = "waiting for it to come back (re-attached at a weight sync once it answers)"
 
@@ -109,7 +110,7 @@ class VLLMBackend:
         return self.plan is not None
 
     def start_lane(self, index: int, restarts: int = 0) -> VLLMLane:
-        """A server's lane; a replacement (``restarts`` > 0) waits for its server to come back (reattach.py)."""
+        """A server's lane; a replacement (``restarts`` > 0) waits for its server to come back (weight_push/recovery.py)."""
         returning = None
         if restarts:
             returning = Return(
@@ -182,7 +183,9 @@ class VLLMBackend:
         back = self._back() if self.plan is None else [i for i in self._back() if i in self._based]
         self._based = []
         live = self._live(back)
-        if not live:  # every server is down: nothing to sync; the lanes wait for one to come back (reattach.py)
+        if (
+            not live
+        ):  # every server is down: nothing to sync; the lanes wait for one to come back (weight_push/recovery.py)
             _drain(buckets)  # (every rank streams to the end: under ZeRO-3 each bucket is a gather)
             return
         if self.plan is not None:
@@ -229,7 +232,7 @@ class VLLMBackend:
         """``members`` failed ``during`` a weight sync: none is known to hold a whole version (a push that broke off
         leaves the survivors paused with mixed weights), so each is let go as lost. What its lane held is generated
         again, and a lane that waits for it takes it back, with a new transport group, the current weights and a
-        probe, once it answers (reattach.py); training goes on meanwhile, or waits for it within the limits."""
+        probe, once it answers (weight_push/recovery.py); training goes on meanwhile, or waits for it within the limits."""
         if not members:
             return
         logger.warning(

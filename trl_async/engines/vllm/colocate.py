@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .push import free_port
 from .serve import server_command
+from .weight_push.fan_out import free_port
 
 
 def server_gpu_groups(gpus: list[str], hosts: list[str], tensor_parallel_size: int) -> list[list[str]]:

@@ -14,5 +14,5 @@ def register() -> None:
 
     if ENGINE_NAME not in WeightTransferEngineFactory._registry:  # plugins may load more than once per process
         WeightTransferEngineFactory.register_engine(
-            ENGINE_NAME, "trl_async.engines.vllm.gloo_engine", "GlooWeightTransferEngine"
+            ENGINE_NAME, "trl_async.engines.vllm.weight_push.gloo_receiver", "GlooWeightTransferEngine"
         )

@@ -16,7 +16,7 @@ import torch
 from ...weights.lora_merge import served_adapter, served_rank
 from .adapters import AdapterPlan, ServedAdapters
 from .client import VLLMServer, VLLMServerError
-from .reattach import identity
+from .weight_push.recovery import identity
 
 
 @dataclass

@@ -22,7 +22,7 @@ from ...records import LaneFailed, RolloutGroup, RolloutTask, WeightsAdopted
 from ..held import HoldsTasks
 from .adapters import ServedAdapters
 from .client import VLLMServer, VLLMServerError
-from .reattach import Return
+from .weight_push.recovery import Return
 
 HEALTH_INTERVAL_S = 0.5
 
@@ -160,7 +160,7 @@ class VLLMLane(HoldsTasks):
                 if not self.server.healthy(timeout_s=2.0):
                     # the server is down: the task stays outstanding, the lane goes silent at once (even if the
                     # server answers again meanwhile), and the pool's health check replaces it (what it held is
-                    # generated elsewhere; reattach.py waits for the server)
+                    # generated elsewhere; weight_push/recovery.py waits for the server)
                     self._gave_up = True
                     continue
                 self._post(LaneFailed(self.lane_id, f"vLLM server {self.spec.url}: {exc}"))

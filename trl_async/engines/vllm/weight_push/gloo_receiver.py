@@ -1,5 +1,5 @@
 """Server side of the CPU weight transport: a vLLM ``WeightTransferEngine`` that receives the trainer's weights over
-a gloo group (``weights/gloo.py``) and loads them with the model's own ``load_weights``.
+a gloo group (``gloo_wire.py``) and loads them with the model's own ``load_weights``.
 
 It is the CPU twin of vLLM's NCCL engine and follows the same lifecycle, driven by the same HTTP endpoints
 (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``): only
@@ -16,7 +16,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from ...weights.gloo import open_group, receive_buckets
+from .gloo_wire import open_group, receive_buckets
 
 
 @dataclass

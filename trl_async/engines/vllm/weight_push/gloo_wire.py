@@ -1,9 +1,10 @@
-"""The CPU weight transport to vLLM servers: a gloo group between the trainer (rank 0) and the servers' workers.
+"""The wire of the CPU weight transport to vLLM servers: a gloo group between the trainer (rank 0) and the servers'
+workers.
 
-Both ends import this module: the trainer (``engines/vllm/push.py``) and the ``trl_async_gloo`` weight-transfer
-engine that ``vllm_plugin.py`` registers inside a vLLM server. It imports only torch, so it loads in either virtual
-environment. The wire format is the trainer's weight buckets (``plan_buckets``, the same greedy rule
-``weight_sync.iter_policy_buckets`` uses), each broadcast as one flat byte buffer, so both ends cut the stream at the
+Both ends import this module: the trainer (``gloo.py``) and the ``trl_async_gloo`` weight-transfer engine inside a
+vLLM server (``gloo_receiver.py``, registered by ``engines/vllm/plugin.py``). It imports only torch, so it loads in
+either virtual environment. The wire format is the trainer's weight buckets (``plan_buckets``, the same greedy rule
+``weights/policy.py`` uses), each broadcast as one flat byte buffer, so both ends cut the stream at the
 same places from the tensors' names, shapes and dtypes alone. A bucket is sent completely before the trainer asks for
 the next one (under ZeRO-3 the next gather), so no tensor is ever read after its gather context closed."""
 
@@ -15,20 +16,9 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from ....weights.buckets import plan_buckets
+
 STORE_PREFIX = "trl_async_weights"
-
-
-def plan_buckets(nbytes: Sequence[int], limit: int) -> list[range]:
-    """Cut consecutive tensors of ``nbytes`` into buckets of at most ``limit`` bytes (a larger tensor alone)."""
-    buckets, start, size = [], 0, 0
-    for i, n in enumerate(nbytes):
-        if i > start and size + n > limit:
-            buckets.append(range(start, i))
-            start, size = i, 0
-        size += n
-    if start < len(nbytes):
-        buckets.append(range(start, len(nbytes)))
-    return buckets
 
 
 def dtype_from_name(name: str) -> torch.dtype:
