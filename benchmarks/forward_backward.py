@@ -34,7 +34,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from trl_async.demo.pretrained import smollm2_135m_instruct
-    from trl_async.precision import cpu_name, device_precision
+    from trl_async.hardware.precision import cpu_name, device_precision
 
     torch.set_num_threads(cli.threads)
     model = AutoModelForCausalLM.from_pretrained(smollm2_135m_instruct(), dtype=torch.float32)

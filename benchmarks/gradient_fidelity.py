@@ -8,7 +8,7 @@ theta_K averaged over many fresh batches. Reported: cosine similarity, mean over
 ceiling of one batch).
 
 With ``--top_p``/``--top_k`` the workers sample from a truncated distribution. Every mode then takes pi_prox
-processed the same way (``trl_async.sampling``), and two more columns show the alternatives: ``decoupled_full``, the
+processed the same way (``trl_async.correction.sampling``), and two more columns show the alternatives: ``decoupled_full``, the
 full softmax as pi_prox (the ratio is then the kept mass even at k = 0), and ``decoupled_kept_mu``, pi_prox
 renormalised over the tokens mu's sampler kept (the engines would have to return that set per token). The last
 columns are each one's mean ratio and gradient norm relative to the same batch's uncorrected (``none``) gradient: the
@@ -40,11 +40,11 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
-from trl_async.correction import off_policy_correction  # noqa: E402
+from trl_async.correction.importance import off_policy_correction  # noqa: E402
+from trl_async.correction.sampling import context_ids, processors  # noqa: E402
 from trl_async.demo.tiny import save_tiny_model  # noqa: E402
 from trl_async.engines.transformers.worker import generate_groups  # noqa: E402
 from trl_async.records import RolloutTask  # noqa: E402
-from trl_async.sampling import context_ids, processors  # noqa: E402
 
 MODES = ["none", "bypass", "tis", "mask", "seq_tis", "seq_mask", "decoupled"]
 TRUNCATED_MODES = ["decoupled_full", "decoupled_kept_mu"]  # pi_prox as before the fix; as TRL 1.17 renormalises

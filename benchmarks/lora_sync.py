@@ -96,7 +96,7 @@ def real_model_runs(steps: int) -> dict:
     from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
     from trl_async.demo.arithmetic import TRAINING_SETTINGS, correctness_reward, format_reward, make_split
     from trl_async.demo.pretrained import smollm2_135m_instruct
-    from trl_async.precision import recipe_precision
+    from trl_async.hardware.precision import recipe_precision
 
     results = {}
     for mode in ("merged", "adapters"):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from trl_async.precision import cpu_name, device_precision
+from trl_async.hardware.precision import cpu_name, device_precision
 
 HERE = Path(__file__).resolve().parent
 # BENCH_RESULTS_DIR: write results (and the RESULTS.md tables) there instead, e.g. a rehearsal that must leave the

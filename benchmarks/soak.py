@@ -48,7 +48,7 @@ class Sampler(TrainerCallback):
             return
         pool = self.trainer.rollout_pool
         me = _status(os.getpid())
-        workers = [_status(p.pid) for p in pool.processes if p.is_alive()]
+        workers = [_status(p.pid) for p in (lane.process for lane in pool.current_lanes) if p.is_alive()]
         self.samples.append(
             {
                 "step": state.global_step,

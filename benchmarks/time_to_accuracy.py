@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from trl_async.demo.arithmetic import TRAINING_SETTINGS
-from trl_async.precision import described_precision, recipe_precision
+from trl_async.hardware.precision import described_precision, recipe_precision
 
 HERE = Path(__file__).resolve().parent
 
@@ -141,7 +141,7 @@ def run_one(spec: dict) -> dict:
         if spec.get("server_pgid") and pool is not None:
             os.killpg(spec["server_pgid"], signal.SIGSTOP)
         elif pool is not None:
-            paused = [p.pid for p in pool.processes if p.is_alive()]
+            paused = [p.pid for p in (lane.process for lane in pool.current_lanes) if p.is_alive()]
         for pid in paused:
             os.kill(pid, signal.SIGSTOP)
         try:

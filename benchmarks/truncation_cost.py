@@ -1,7 +1,7 @@
 """What an exact importance ratio under a truncating sampler costs the trainer, on SmolLM2-135M-Instruct.
 
 With top-p/top-k/min-p or a repetition penalty, the proximal policy is rebuilt the way the engine processed its
-logits (``trl_async.sampling.proximal_logps``): one forward pass without gradient, then the penalty and truncations
+logits (``trl_async.correction.sampling.proximal_logps``): one forward pass without gradient, then the penalty and truncations
 on each completion position's logits. Without them the loss's own forward serves, at no cost. This times, interleaved
 and repeated, on one batch of the demo's shape (random token ids):
 
@@ -48,8 +48,8 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from trl_async.correction.sampling import SamplingSettings, proximal_logps
     from trl_async.demo.pretrained import smollm2_135m_instruct
-    from trl_async.sampling import SamplingSettings, proximal_logps
 
     torch.set_num_threads(cli.threads)
     torch.manual_seed(0)

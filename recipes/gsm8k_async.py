@@ -60,8 +60,8 @@ from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl_async.demo import arithmetic, code_task
 from trl_async.demo.evaluation import GreedyAccuracyCallback
 from trl_async.demo.pretrained import smollm2_135m_instruct
-from trl_async.precision import described_precision, recipe_precision
-from trl_async.progress import print_summary, run_summary, samples_per_step
+from trl_async.hardware.precision import described_precision, recipe_precision
+from trl_async.reporting.progress import print_summary, run_summary, samples_per_step
 from trl_async.sandbox.rewards import CodeExecutionReward
 
 SYSTEM_PROMPT = (
@@ -155,7 +155,7 @@ def training_device(argv: list[str]) -> str:
 
 def make_parser(argv: list[str] | None = None) -> TrlParser:
     """The recipe's parser for ``argv`` (default: the command line). ``bf16`` defaults to on only where the
-    training device computes bf16 natively, else float32 (trl_async.precision); a config file's ``bf16:`` or
+    training device computes bf16 natively, else float32 (trl_async.hardware.precision); a config file's ``bf16:`` or
     ``--bf16`` on the command line overrides it."""
     parser = TrlParser((GSM8KArguments, AsyncGRPOConfig, ModelConfig))
     parser.set_defaults(bf16=recipe_precision(training_device(sys.argv[1:] if argv is None else argv))[0])

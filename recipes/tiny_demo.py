@@ -29,7 +29,7 @@ from trl.models import unwrap_model_for_generation  # noqa: E402
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
 from trl_async.demo.tiny import save_tiny_model  # noqa: E402
-from trl_async.progress import print_summary, run_summary, samples_per_step  # noqa: E402
+from trl_async.reporting.progress import print_summary, run_summary, samples_per_step  # noqa: E402
 
 TARGET = "bead"
 VOCAB = "abcdefgh" + "write :"

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .config import AsyncGRPOConfig
     from .engines.vllm.client import VLLMServerError
-    from .progress import AsyncProgressCallback
+    from .reporting.progress import AsyncProgressCallback
     from .rollout.lanes import RolloutLaneError
     from .rollout.scoring import RewardFunctionError
     from .sandbox import SandboxError, SandboxUnavailable
@@ -35,7 +35,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "AsyncGRPOConfig": ".config",
     "AsyncGRPOTrainer": ".trainer",
-    "AsyncProgressCallback": ".progress",
+    "AsyncProgressCallback": ".reporting.progress",
     "RewardFunctionError": ".rollout.scoring",
     "RolloutLaneError": ".rollout.lanes",
     "SandboxError": ".sandbox",

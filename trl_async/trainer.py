@@ -23,27 +23,27 @@ from transformers.trainer_callback import ExportableState, ProgressCallback
 from transformers.utils import logging
 from trl import GRPOTrainer
 
-from .attributes import swapped
 from .config import async_fields_of, for_grpo_trainer
-from .cores import PinnedTrainer
-from .correction_seam import CorrectionSeam
-from .engine_choice import settle_rollout_device
+from .config.engine_choice import settle_rollout_device
+from .correction.attributes import swapped
+from .correction.seam import CorrectionSeam
 from .engines.transformers.worker_process import prestart_worker_server
 from .engines.vllm.colocate import trainer_gpu_groups
-from .pool_setup import rollout_sampling, start_pool
-from .progress import AsyncProgressCallback, batch_metrics
+from .hardware.cores import PinnedTrainer
 from .records import RolloutGroup
+from .reporting.progress import AsyncProgressCallback, batch_metrics
+from .reporting.trajectories import append_jsonl, trajectory_records
 from .rollout.pool import RolloutPool
 from .rollout.rollout_func import RolloutFuncRunner, replayed_output
 from .rollout.scored import ScoredGroup
 from .rollout.scoring import unsharded_reward_models
-from .setup_checks import (
+from .setup.checks import (
     check_after_loading,
     pool_geometry,
     refuse_before_loading,
 )
-from .trainer_view import generate_with_trainer_model, loaded, pool_inputs, sampling_inputs
-from .trajectories import append_jsonl, trajectory_records
+from .setup.pool import rollout_sampling, start_pool
+from .setup.trainer_view import generate_with_trainer_model, loaded, pool_inputs, sampling_inputs
 from .weights.publisher import WeightPublisher
 
 logger = logging.get_logger(__name__)

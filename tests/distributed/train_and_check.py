@@ -142,7 +142,7 @@ def main():
             "not_compared": [n for n in published if n not in reference],
             "adapter_only": adapter_only,
             "per_version": per_version,
-            "workers_alive": [p.is_alive() for p in pool.processes],
+            "workers_alive": [p.is_alive() for p in (lane.process for lane in pool.current_lanes)],
         }
         with open(cli.out, "w") as f:
             json.dump(result, f)

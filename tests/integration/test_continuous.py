@@ -10,11 +10,11 @@ import torch
 from transformers import GenerationConfig
 
 from trl_async import AsyncGRPOTrainer
+from trl_async.correction.sampling import processed_logps, processors, settings_of
 from trl_async.demo.tiny import build_char_tokenizer, build_tiny_model
 from trl_async.engines.transformers.continuous import ContinuousRows
 from trl_async.engines.transformers.slots import SlotRows
 from trl_async.records import RolloutTask
-from trl_async.sampling import processed_logps, processors, settings_of
 
 from ..conftest import async_args, letter_reward, text_dataset
 from .test_worker import TEMPERATURE, TOP_K, _teacher_forced_logps

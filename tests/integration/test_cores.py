@@ -8,7 +8,7 @@ import torch
 from transformers import TrainerCallback
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
-from trl_async.cores import parse_cpu_list, split_cores
+from trl_async.hardware.cores import parse_cpu_list, split_cores
 
 from ..conftest import COMMON, async_args, letter_reward, text_dataset
 
@@ -65,7 +65,7 @@ def test_workers_run_on_the_cores_given_and_the_trainer_on_the_rest_with_threads
 
     class Inspect(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            (process,) = trainer.rollout_pool.processes
+            (process,) = [lane.process for lane in trainer.rollout_pool.current_lanes]
             seen["worker"] = thread_cores(process.pid)  # every worker thread (its heartbeat thread too)
             seen["trainer"] = thread_cores(os.getpid())  # every trainer thread, also those started before training
             seen["trainer_threads"] = torch.get_num_threads()

@@ -16,9 +16,9 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from trl import GRPOConfig
 
 from trl_async import AsyncGRPOTrainer
-from trl_async.pool_setup import make_score_group
 from trl_async.records import RolloutGroup
-from trl_async.trainer_view import pool_inputs
+from trl_async.setup.pool import make_score_group
+from trl_async.setup.trainer_view import pool_inputs
 
 from ..conftest import (
     COMMON,

@@ -11,7 +11,7 @@ from datasets import Dataset
 from trl.trainer.utils import RepeatSampler
 
 from trl_async import AsyncGRPOTrainer
-from trl_async.progress import batch_metrics
+from trl_async.reporting.progress import batch_metrics
 from trl_async.rollout.filtering import SignalFilter, without_signal
 from trl_async.rollout.scored import TakeStats
 

@@ -1,4 +1,4 @@
-"""Which engine generates and where (trl_async/engine_choice.py), worked out by hand; a colocated server's layout,
+"""Which engine generates and where (trl_async/config/engine_choice.py), worked out by hand; a colocated server's layout,
 flags and lifecycle (engines/vllm/colocate.py); the weight transport read from a server (engines/vllm/backend.py)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from trl_async.engine_choice import DeviceChoice, EngineChoice, physical_gpu, rollout_device_for, rollout_engine
+from trl_async.config.engine_choice import DeviceChoice, EngineChoice, physical_gpu, rollout_device_for, rollout_engine
 from trl_async.engines.vllm.client import VLLMServerError
 from trl_async.engines.vllm.colocate import ColocatedServer, colocated_flags, server_gpu_groups
 from trl_async.engines.vllm.server_checks import served_transport

@@ -59,7 +59,7 @@ def test_an_exception_in_a_worker_is_raised_on_the_trainer_with_its_traceback_an
     # name an exit code instead of the traceback), and the worker is not counted as lost
     assert pool.lane_restarts == 0 and pool.lost_lanes == []
     assert trainer.state.global_step == 0
-    assert not any(p.is_alive() for p in pool.processes) and no_rollout_children()
+    assert not any(p.is_alive() for p in (lane.process for lane in pool.current_lanes)) and no_rollout_children()
 
 
 def test_a_rollout_batch_that_never_arrives_raises_timeout_error_after_rollout_timeout_s(tmp_path, tiny_model_dir):
@@ -93,7 +93,7 @@ def test_a_rollout_batch_that_never_arrives_raises_timeout_error_after_rollout_t
         pool = trainer.last_rollout_pool
         # the groups did arrive and reached the reward function, which never returned
         assert entered.is_set()
-        assert no_rollout_children() and not any(p.is_alive() for p in pool.processes)
+        assert no_rollout_children() and not any(p.is_alive() for p in (lane.process for lane in pool.current_lanes))
     finally:
         release.set()
 

@@ -96,7 +96,7 @@ def test_synchronous_admission_generates_exactly_one_batch_per_published_version
         assert pool.verified_adoptions >= 2  # the worker's weights hashed equal to what was published, twice
     finally:
         pool.close()
-    assert not any(p.is_alive() for p in pool.processes)
+    assert not any(p.is_alive() for p in (lane.process for lane in pool.current_lanes))
 
 
 def test_queue_size_bounds_work_ahead_even_when_staleness_would_allow_more():
@@ -191,7 +191,7 @@ def test_a_stuck_reward_does_not_stop_the_worker_health_checks():
     pool, _ = make_pool(max_staleness=0, score=score, max_restarts=1)
     try:
         wait_until(lambda: pool.outstanding(0) == [] and pool.admitted == 2)  # both groups came back: scoring hangs
-        os.kill(pool.processes[0].pid, signal.SIGKILL)
+        os.kill(pool.current_lanes[0].process.pid, signal.SIGKILL)
         wait_until(lambda: pool.lane_restarts == 1, timeout=20)
     finally:
         release.set()
@@ -255,8 +255,8 @@ def test_a_killed_worker_is_reported_by_name():
     pool, _ = make_pool(max_staleness=0)
     try:
         wait_until(lambda: pool.ready_count == 2)
-        pool.processes[0].kill()
-        pool.processes[0].join(5)
+        pool.current_lanes[0].process.kill()
+        pool.current_lanes[0].process.join(5)
         with pytest.raises(RolloutLaneError, match="rollout worker 0 .* exited with code"):
             pool.take(4, consumer_version=0)
     finally:
@@ -267,14 +267,14 @@ def test_a_worker_killed_mid_generation_is_restarted_and_its_groups_generated_ag
     pool, model = make_pool(max_staleness=0, max_restarts=1)
     try:
         first, _ = pool.take(2, consumer_version=0)
-        lost = pool.processes[0]
+        lost = pool.current_lanes[0].process
         os.kill(lost.pid, signal.SIGSTOP)  # hold it mid-task so it surely dies with groups in hand
         pool.publish([list(model.named_parameters())], 1, Digest())
         wait_until(lambda: len(pool.outstanding(0)) == 2)
         os.kill(lost.pid, signal.SIGKILL)
         groups, stats = pool.take(2, consumer_version=1)
         assert pool.lane_restarts == 1 and "exited with code -9" in pool.lost_lanes[0]
-        assert pool.processes[0].pid != lost.pid and not lost.is_alive()
+        assert pool.current_lanes[0].process.pid != lost.pid and not lost.is_alive()
         # the dead worker's two groups were generated again: same prompts, fresh version, none lost or doubled
         assert [g.group.prompt_index for g in first] == [0, 1]
         assert sorted(g.group.prompt_index for g in groups) == [2, 3]
@@ -283,7 +283,7 @@ def test_a_worker_killed_mid_generation_is_restarted_and_its_groups_generated_ag
         assert pool.admitted == 4 and pool.ready_count == 0  # nothing generated twice
     finally:
         pool.close()
-    assert not any(p.is_alive() for p in pool.processes)
+    assert not any(p.is_alive() for p in (lane.process for lane in pool.current_lanes))
 
 
 def test_closing_kills_a_worker_inside_a_generate_call_and_lets_an_idle_one_exit():
@@ -296,14 +296,14 @@ def test_closing_kills_a_worker_inside_a_generate_call_and_lets_an_idle_one_exit
         assert busy.ready_count == 0
     finally:
         busy.close()
-    assert busy.processes[0].exitcode == -signal.SIGKILL
+    assert busy.current_lanes[0].process.exitcode == -signal.SIGKILL
     idle, _ = make_pool(max_staleness=0)
     try:
         wait_until(lambda: idle.ready_count == 2)
         wait_until(lambda: not idle.outstanding(0))  # the batch is in: nothing more is admitted at version 0
     finally:
         idle.close(timeout_s=10)  # room to exit by itself on a loaded machine (a killed one would show -9)
-    assert idle.processes[0].exitcode == 0
+    assert idle.current_lanes[0].process.exitcode == 0
 
 
 def test_a_worker_whose_weights_miss_a_parameter_refuses_to_generate_and_names_it():
@@ -321,7 +321,7 @@ def test_a_stopped_worker_misses_heartbeats_and_is_replaced():
     pool, model = make_pool(max_staleness=0, max_restarts=1, heartbeat_s=2.0)
     try:
         pool.take(2, consumer_version=0)
-        stopped = pool.processes[0]
+        stopped = pool.current_lanes[0].process
         os.kill(stopped.pid, signal.SIGSTOP)
         pool.publish([list(model.named_parameters())], 1, Digest())
         groups, _ = pool.take(2, consumer_version=1)  # served by the replacement
@@ -335,7 +335,7 @@ def test_a_stopped_worker_without_restarts_left_is_an_error_not_a_hang():
     pool, model = make_pool(max_staleness=0, max_restarts=0, heartbeat_s=2.0)
     try:
         pool.take(2, consumer_version=0)
-        os.kill(pool.processes[0].pid, signal.SIGSTOP)
+        os.kill(pool.current_lanes[0].process.pid, signal.SIGSTOP)
         pool.publish([list(model.named_parameters())], 1, Digest())
         start = time.monotonic()
         with pytest.raises(RolloutLaneError, match=r"rollout worker 0 .* no heartbeat for .*rollout_max_restarts=0"):
@@ -343,7 +343,7 @@ def test_a_stopped_worker_without_restarts_left_is_an_error_not_a_hang():
         assert time.monotonic() - start < 10
     finally:
         pool.close()
-    assert not any(p.is_alive() for p in pool.processes)
+    assert not any(p.is_alive() for p in (lane.process for lane in pool.current_lanes))
 
 
 def test_a_worker_reporting_a_version_the_moment_it_is_visible_is_verified_not_a_mismatch():

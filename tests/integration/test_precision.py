@@ -1,4 +1,4 @@
-"""Which low precisions a device computes natively (trl_async.precision), on the flag sets of real CPUs and GPUs,
+"""Which low precisions a device computes natively (trl_async.hardware.precision), on the flag sets of real CPUs and GPUs,
 and the trainer's construction warning when bf16/fp16 is asked for where it is emulated."""
 
 import os
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trl_async import AsyncGRPOTrainer
-from trl_async.precision import (
+from trl_async.hardware.precision import (
     NativePrecision,
     cpuinfo_flags,
     described_precision,
@@ -157,13 +157,17 @@ def test_a_onednn_isa_cap_below_a_dtypes_level_makes_it_emulated(cap, bf16, fp16
 
 @pytest.mark.unit
 def test_recipes_choose_bf16_only_where_it_is_native_and_say_so(monkeypatch):
-    monkeypatch.setattr("trl_async.precision.device_precision", lambda device: NativePrecision(False, False, "no"))
+    monkeypatch.setattr(
+        "trl_async.hardware.precision.device_precision", lambda device: NativePrecision(False, False, "no")
+    )
     bf16, said = recipe_precision()
     assert bf16 is False and said.startswith("float32, chosen: bf16 would be emulated here (no; 26x slower")
     assert described_precision(False, False) == said
     assert described_precision(True, False) == "bf16 autocast, as given (no; emulated here, far slower than float32)"
     assert described_precision(False, True).startswith("float32: fp16=True has no effect on a CPU")
-    monkeypatch.setattr("trl_async.precision.device_precision", lambda device: NativePrecision(True, False, "yes"))
+    monkeypatch.setattr(
+        "trl_async.hardware.precision.device_precision", lambda device: NativePrecision(True, False, "yes")
+    )
     # None: TRL's own default (bf16 unless fp16 is given), so `--fp16 true` still parses
     assert recipe_precision() == (None, "bf16 autocast over float32 weights, chosen: native here (yes)")
     assert described_precision(True, False) == "bf16 autocast over float32 weights, chosen: native here (yes)"
@@ -175,7 +179,9 @@ def test_recipes_choose_bf16_only_where_it_is_native_and_say_so(monkeypatch):
 
 @pytest.mark.unit
 def test_the_warning_names_the_setting_the_slowdown_and_the_fix(monkeypatch):
-    monkeypatch.setattr("trl_async.precision.device_precision", lambda d: NativePrecision(False, True, "AVX2 only"))
+    monkeypatch.setattr(
+        "trl_async.hardware.precision.device_precision", lambda d: NativePrecision(False, True, "AVX2 only")
+    )
     message = emulated_precision_warning(True, False, "cpu")
     assert message.startswith("bf16=True, but this CPU computes bf16 in emulation (AVX2 only)")
     assert "26x slower than float32" in message and "Set bf16=False (`--bf16 false`)" in message
@@ -183,7 +189,7 @@ def test_the_warning_names_the_setting_the_slowdown_and_the_fix(monkeypatch):
     # fp16 on a CPU is not emulated but ignored (accelerate autocasts only bf16 there): say that instead
     assert emulated_precision_warning(False, True, "cpu").startswith("fp16=True has no effect on a CPU")
     assert emulated_precision_warning(False, True, "cuda") is None  # fp16 native on this (patched) device
-    monkeypatch.setattr("trl_async.precision.device_precision", lambda d: NativePrecision(True, False, "T4"))
+    monkeypatch.setattr("trl_async.hardware.precision.device_precision", lambda d: NativePrecision(True, False, "T4"))
     assert emulated_precision_warning(False, True, "cuda").startswith("fp16=True, but device cuda computes fp16")
 
 
@@ -196,10 +202,12 @@ def construction_warnings(tmp_path, model, **overrides) -> list[str]:
 
 
 def test_the_trainer_warns_once_at_construction_and_keeps_the_users_setting(tmp_path, tiny_model_dir, monkeypatch):
-    monkeypatch.setattr("trl_async.precision.device_precision", lambda d: NativePrecision(False, False, "AVX2 only"))
+    monkeypatch.setattr(
+        "trl_async.hardware.precision.device_precision", lambda d: NativePrecision(False, False, "AVX2 only")
+    )
     trainer, said = construction_warnings(tmp_path, tiny_model_dir, bf16=True)
     assert len(said) == 1 and said[0].startswith("bf16=True, but this CPU computes bf16 in emulation (AVX2 only)")
     assert trainer.args.bf16 is True  # drop-in: GRPOTrainer's semantics, the setting is not changed
     assert construction_warnings(tmp_path, tiny_model_dir, bf16=False)[1] == []
-    monkeypatch.setattr("trl_async.precision.device_precision", lambda d: NativePrecision(True, True, "AMX"))
+    monkeypatch.setattr("trl_async.hardware.precision.device_precision", lambda d: NativePrecision(True, True, "AMX"))
     assert construction_warnings(tmp_path, tiny_model_dir, bf16=True)[1] == []  # native: nothing to say

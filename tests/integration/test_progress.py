@@ -1,4 +1,4 @@
-from trl_async.progress import run_summary
+from trl_async.reporting.progress import run_summary
 
 
 def test_run_summary_from_log_history():

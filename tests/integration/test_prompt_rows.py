@@ -87,8 +87,8 @@ def test_the_pools_rendering_of_a_prompt_is_grpo_trainers(tmp_path, tiny_model_d
     must be GRPOTrainer's own: plain text, messages, with chat_template_kwargs, with tools."""
     from trl import GRPOTrainer
 
-    from trl_async.pool_setup import make_tokenize_row
-    from trl_async.trainer_view import pool_inputs
+    from trl_async.setup.pool import make_tokenize_row
+    from trl_async.setup.trainer_view import pool_inputs
 
     from ..tool_model import multiply
 

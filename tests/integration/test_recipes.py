@@ -92,7 +92,7 @@ def test_recipe_runs_the_arithmetic_task_on_the_real_model(tmp_path, capsys):
     """`--task arithmetic` with its YAML: SmolLM2-135M-Instruct (the default model), the local word problems, two
     async steps, and the held-out greedy accuracy logged by the trainer's own evaluation."""
     from trl_async.demo.pretrained import smollm2_135m_instruct
-    from trl_async.precision import recipe_precision
+    from trl_async.hardware.precision import recipe_precision
 
     argv = [
         "--config", str(ROOT / "recipes/configs/arithmetic_cpu.yaml"), "--output_dir", str(tmp_path / "out"),
@@ -135,7 +135,7 @@ def test_recipe_runs_the_code_task_on_the_real_model(tmp_path):
 
 @pytest.mark.unit
 def test_the_arithmetic_config_leaves_bf16_to_the_hardware_and_the_user_wins(monkeypatch):
-    from trl_async.precision import NativePrecision, recipe_precision
+    from trl_async.hardware.precision import NativePrecision, recipe_precision
 
     def parsed(*argv):
         return gsm8k_async.make_parser(list(argv)).parse_args_and_config(list(argv))[1]
@@ -148,7 +148,7 @@ def test_the_arithmetic_config_leaves_bf16_to_the_hardware_and_the_user_wins(mon
     gsm8k = ["--config", str(ROOT / "recipes/configs/gsm8k_async.yaml"), "--output_dir", "out", "--use_cpu", "true"]
     assert parsed(*gsm8k).bf16 is True  # a config file's `bf16: true` beats the recipe's default
     # with a CPU that emulates bf16, fp16 is not refused for clashing with a forced bf16 default (TRL's rule)
-    monkeypatch.setattr("trl_async.precision.device_precision", lambda d: NativePrecision(True, True, "AMX"))
+    monkeypatch.setattr("trl_async.hardware.precision.device_precision", lambda d: NativePrecision(True, True, "AMX"))
     args = parsed(*arithmetic, "--fp16", "true")
     assert (args.bf16, args.fp16) == (False, True)
 

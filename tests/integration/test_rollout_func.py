@@ -78,7 +78,7 @@ def test_the_runner_delivers_each_turn_to_its_rollout_and_closing_ends_a_waiting
     from types import SimpleNamespace
 
     from trl_async.rollout.rollout_func import RolloutFuncRunner
-    from trl_async.trainer_view import RolloutFuncTrainerView
+    from trl_async.setup.trainer_view import RolloutFuncTrainerView
 
     submitted, finished, failed, hold = [], [], [], threading.Event()
 

@@ -14,7 +14,7 @@ from ..conftest import async_args, letter_reward, text_dataset
 
 METRICS_DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
-# logged only under settings this run does not use (trl_async/progress.py, batch_metrics): dynamic_sampling for the
+# logged only under settings this run does not use (trl_async/reporting/progress.py, batch_metrics): dynamic_sampling for the
 # first two, environments for the last
 CONDITIONAL = {"async/filtered_groups", "async/filtered_frac", "async/abandoned_groups"}
 

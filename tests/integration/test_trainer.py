@@ -14,8 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_async import AsyncGRPOTrainer
-from trl_async.precision import device_precision
-from trl_async.progress import AsyncProgressCallback
+from trl_async.hardware.precision import device_precision
+from trl_async.reporting.progress import AsyncProgressCallback
 
 from ..conftest import (
     KeepPublished,
@@ -46,7 +46,7 @@ def test_trains_updates_every_parameter_within_the_staleness_bound_and_joins_wor
     # each adoption hashed the worker's weights and matched the hash of the trainer weights published as that version
     assert pool.verified_adoptions >= 2
     assert max(pool.lane_versions.values()) >= 1
-    assert not any(p.is_alive() for p in pool.processes) and no_rollout_children()
+    assert not any(p.is_alive() for p in (lane.process for lane in pool.current_lanes)) and no_rollout_children()
     # the progress bar showed the last consumed batch (logging_steps=1: one log per batch)
     (bar,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, AsyncProgressCallback)]
     last = [h for h in trainer.state.log_history if "reward" in h][-1]
@@ -240,7 +240,10 @@ def test_interrupted_training_releases_workers_threads_and_shared_memory(tmp_pat
     with pytest.raises(error, match="boom at step 2"):
         trainer.train()
     assert time.monotonic() - raised_at["t"] < 10  # everything released within 10 s
-    assert not any(p.is_alive() for p in trainer.last_rollout_pool.processes) and no_rollout_children()
+    assert (
+        not any(p.is_alive() for p in (lane.process for lane in trainer.last_rollout_pool.current_lanes))
+        and no_rollout_children()
+    )
     assert not [
         t.name for t in threading.enumerate() if t.name.startswith("trl_async") and t.name not in threads_before
     ]
@@ -280,7 +283,7 @@ def test_a_worker_killed_during_training_is_restarted_and_training_completes(tmp
     class Kill(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 2:
-                proc = trainer.rollout_pool.processes[0]
+                proc = trainer.rollout_pool.current_lanes[0].process
                 os.kill(proc.pid, signal.SIGKILL)
                 killed.append(proc)
 
@@ -293,7 +296,7 @@ def test_a_worker_killed_during_training_is_restarted_and_training_completes(tmp
     assert trainer.state.global_step == 6 and pool.lane_restarts == 1 and not killed[0].is_alive()
     assert max(trained_staleness(trainer)) <= 1
     assert max(h.get("async/worker_restarts", 0) for h in trainer.state.log_history) == 1
-    assert not any(p.is_alive() for p in pool.processes) and no_rollout_children()
+    assert not any(p.is_alive() for p in (lane.process for lane in pool.current_lanes)) and no_rollout_children()
 
 
 def test_worker_weights_equal_the_trainer_weights_after_the_last_sync(tmp_path, tiny_model_dir):
@@ -323,7 +326,7 @@ def test_cpu_workers_run_at_low_priority_with_passive_openmp_and_the_trainers_co
 
     class Inspect(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            (process,) = trainer.rollout_pool.processes
+            (process,) = [lane.process for lane in trainer.rollout_pool.current_lanes]
             environ = open(f"/proc/{process.pid}/environ", "rb").read().split(b"\0")
             seen["passive"] = b"OMP_WAIT_POLICY=PASSIVE" in environ
             seen["nice"] = os.getpriority(os.PRIO_PROCESS, process.pid) - os.getpriority(os.PRIO_PROCESS, 0)

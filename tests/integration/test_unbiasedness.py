@@ -9,7 +9,7 @@ the gradient weighted by mu instead of pi, i.e. biased. The tolerance is 5 stand
 
 import torch
 
-from trl_async.correction import off_policy_correction
+from trl_async.correction.importance import off_policy_correction
 
 K, N = 6, 200_000
 

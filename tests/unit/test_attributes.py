@@ -2,7 +2,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from trl_async.attributes import swapped
+from trl_async.correction.attributes import swapped
 
 
 def test_swapped_restores_what_was_there_even_when_the_block_raises():

@@ -133,7 +133,7 @@ def test_rollout_workers_on_the_cpu_get_the_lowest_priority_by_default():
 def test_workers_generate_in_the_dtype_the_trainer_computes_in_where_it_is_native():
     import torch
 
-    from trl_async.precision import NativePrecision
+    from trl_async.hardware.precision import NativePrecision
 
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
     amx, avx2 = NativePrecision(True, True, "AMX"), NativePrecision(False, False, "AVX2 only")
@@ -185,7 +185,7 @@ def test_the_generation_config_the_workers_get_is_checked_whatever_config_class_
     contrastive search: the check reads the GenerationConfig GRPOTrainer builds from both."""
     from transformers import GenerationConfig
 
-    from trl_async.generation_modes import refused_generation
+    from trl_async.correction.generation_modes import refused_generation
 
     built = GenerationConfig(**{"max_new_tokens": 4, "do_sample": True, "top_k": 4, **kwargs})  # as GRPOTrainer does
     assert refused_generation(built) is not None

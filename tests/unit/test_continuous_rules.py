@@ -2,6 +2,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+from trl_async.correction.generation_modes import continuous_blocker, refused_paged_settings
 from trl_async.engines.transformers.continuous import (
     ContinuousRows,
     continuous_slots,
@@ -11,7 +12,6 @@ from trl_async.engines.transformers.continuous import (
 )
 from trl_async.engines.transformers.slot_cache import columns_cache, first_used, left_pad, positions, relaid
 from trl_async.engines.transformers.slots import SlotRows, continuous_engine, slot_loop_blocker
-from trl_async.generation_modes import continuous_blocker, refused_paged_settings
 
 
 def test_samplers_that_read_a_rows_history_or_search_beams_keep_static_batches():

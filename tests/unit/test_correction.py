@@ -3,7 +3,12 @@ import math
 import pytest
 import torch
 
-from trl_async.correction import effective_sample_size, masked_mean, off_policy_correction, sequence_log_ratio
+from trl_async.correction.importance import (
+    effective_sample_size,
+    masked_mean,
+    off_policy_correction,
+    sequence_log_ratio,
+)
 
 LOG = math.log
 
@@ -128,7 +133,7 @@ def test_a_missing_behaviour_logprob_leaves_the_sequence_ratio_to_the_other_toke
 def test_statistics_across_ranks_by_hand():
     """Means of the ranks' values (GRPOTrainer gathers its metrics so), the extremes of the extremes, the total of
     the count."""
-    from trl_async.correction import stats_across_ranks
+    from trl_async.correction.importance import stats_across_ranks
 
     rank0 = {"ratio_mean": 1.0, "ratio_min": 0.5, "ratio_max": 2.0, "ess": 0.9, "behaviour_nan": 1, "masked_frac": 0.0}
     rank1 = {

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from trl_async.correction import off_policy_correction
-from trl_async.sampling import (
+from trl_async.correction.importance import off_policy_correction
+from trl_async.correction.sampling import (
     SamplingSettings,
     context_ids,
     processed_logps,

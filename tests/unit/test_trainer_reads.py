@@ -1,8 +1,6 @@
 """Below the trainer, nothing reads the trainer's attributes: the pool and the checks are built from what
-trl_async/trainer_view.py hands them. One module is the stated exception: rollout/rollout_func.py hands the trainer to
-the user's rollout_func (TRL's contract: a view of it, on a background thread), reads the version of a rollout's
-tokens off it, and samples with the trainer's own model during evaluation. The demo (demo/) is a user of the
-trainer, above it."""
+trl_async/setup/trainer_view.py hands them, including the view of the trainer a user's rollout_func receives. The
+demo (demo/) is a user of the trainer, above it."""
 
 import ast
 from pathlib import Path
@@ -10,7 +8,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "trl_async"
-TRAINER_SIDE = {"trainer.py", "trainer_view.py", "correction_seam.py"}  # the trainer and its own mixin
+TRAINER_SIDE = {"trainer.py", "setup/trainer_view.py", "correction/seam.py"}  # the trainer and its own mixin
 EXCEPTIONS: set[str] = set()
 
 pytestmark = pytest.mark.unit

@@ -192,7 +192,7 @@ class AsyncFields(ResolvedDefaults):
         metadata={
             "help": "dtype the rollout workers generate in ('float32', 'bfloat16', 'float16'). Default: the dtype "
             "the trainer computes in: bfloat16 with `bf16=True` (float32 weights under autocast), float16 with "
-            "`fp16=True`, where the workers' device computes that dtype natively (trl_async.precision: AVX512-BF16 "
+            "`fp16=True`, where the workers' device computes that dtype natively (trl_async.hardware.precision: AVX512-BF16 "
             "or AMX on x86 CPUs), else the weights' dtype (and always the weights' dtype with "
             "rollout_verify_weights). A precision other than the trainer's is corrected like staleness: behaviour "
             "log-probs come from the worker, pi_prox from the trainer."

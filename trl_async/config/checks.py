@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from ..cores import allowed_cores, parse_cpu_list, split_cores
-from ..generation_modes import refused_generation_kwargs, refused_paged_settings
-from ..sampling import SAMPLER_FIELDS, VLLM_GREEDY_BELOW, refused_sampling
+from ..correction.generation_modes import refused_generation_kwargs, refused_paged_settings
+from ..correction.sampling import SAMPLER_FIELDS, VLLM_GREEDY_BELOW, refused_sampling
+from ..hardware.cores import allowed_cores, parse_cpu_list, split_cores
 from .async_fields import (
     LORA_SYNCS,
     OFF_POLICY_CORRECTIONS,

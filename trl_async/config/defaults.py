@@ -12,9 +12,9 @@ import os
 
 import torch
 
-from ..cores import allowed_cores, parse_cpu_list, split_cores
-from ..engine_choice import rollout_engine
-from ..precision import NativePrecision
+from ..hardware.cores import allowed_cores, parse_cpu_list, split_cores
+from ..hardware.precision import NativePrecision
+from .engine_choice import rollout_engine
 
 DEFAULT_CAPS = {"decoupled": 5.0}  # AReaL's behav_imp_weight_cap in its examples; 2.0 (verl/SkyRL TIS) otherwise
 
@@ -57,7 +57,7 @@ class ResolvedDefaults:
     ) -> torch.dtype:
         """``rollout_dtype`` if set; else the dtype the trainer computes in (bf16/fp16 under mixed precision, where
         the trainer's matmuls see its float32 weights rounded to that dtype) where the workers' device computes it
-        natively (``native``, trl_async.precision), else the weights' dtype; the weights' dtype always when weights
+        natively (``native``, trl_async.hardware.precision), else the weights' dtype; the weights' dtype always when weights
         are verified bit for bit."""
         if self.rollout_dtype:
             return getattr(torch, self.rollout_dtype)
@@ -77,7 +77,7 @@ class ResolvedDefaults:
     @property
     def resolved_weight_update(self) -> str:
         """vLLM servers' default; transformers workers decide where they know whether they batch continuously
-        (pool_setup.py)."""
+        (setup/pool.py)."""
         if self.rollout_weight_update is not None:
             return self.rollout_weight_update
         return "decode_step" if self.rollout_backend == "vllm" else "batch"

@@ -32,8 +32,8 @@ from trl_async.config import available_cores  # noqa: E402
 from trl_async.demo.arithmetic import TRAINING_SETTINGS, correctness_reward, format_reward, make_split  # noqa: E402
 from trl_async.demo.evaluation import GreedyAccuracyCallback, greedy_accuracy  # noqa: E402
 from trl_async.demo.pretrained import smollm2_135m_instruct  # noqa: E402
-from trl_async.precision import cpu_name, described_precision, recipe_precision  # noqa: E402
-from trl_async.progress import print_summary, run_summary, samples_per_step  # noqa: E402
+from trl_async.hardware.precision import cpu_name, described_precision, recipe_precision  # noqa: E402
+from trl_async.reporting.progress import print_summary, run_summary, samples_per_step  # noqa: E402
 
 
 @dataclass

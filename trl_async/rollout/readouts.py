@@ -24,9 +24,9 @@ class PoolReadouts:
         return self.backend.base_target
 
     @property
-    def processes(self) -> list:
-        """The current worker processes (a restarted worker's new process replaces the lost one)."""
-        return [w.process for w in self.lanes.current]
+    def current_lanes(self) -> list:
+        """The lanes now, by index (a restarted lane replaces the lost one)."""
+        return list(self.lanes.current)
 
     def outstanding(self, lane_id: int) -> list[RolloutTask]:
         """Groups handed to a lane and not yet returned (for diagnostics)."""

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ...generation_modes import PAGED_REQUIRED
+from ...correction.generation_modes import PAGED_REQUIRED
 from ...records import RolloutGroup, RolloutTask
 from .row_groups import RowGroups, RowsFront, cut_at_eos
 

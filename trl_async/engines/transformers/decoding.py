@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ...sampling import processors, settings_of
+from ...correction.sampling import processors, settings_of
 
 NEUTRAL_SAMPLING = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=None, typical_p=1.0, epsilon_cutoff=0.0,
                         eta_cutoff=0.0, top_h=None, repetition_penalty=1.0)  # fmt: skip

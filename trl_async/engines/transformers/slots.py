@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
+from ...correction.sampling import SamplingSettings, processors, settings_of
 from ...records import RolloutGroup, RolloutTask
-from ...sampling import SamplingSettings, processors, settings_of
 from .decoding import left_padded, split_sampling_warpers
 from .row_groups import RowGroups, RowsFront, WaitingRow
 from .slot_cache import ROOM, columns_cache, first_used, left_pad, positions, relaid

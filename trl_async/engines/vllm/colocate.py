@@ -177,7 +177,7 @@ def trainer_gpu_groups(accelerator, tensor_parallel_size: int) -> list[list[str]
 
     from accelerate.utils import gather_object
 
-    from ...engine_choice import physical_gpu
+    from ...config.engine_choice import physical_gpu
 
     device = accelerator.device
     if device.type != "cuda":

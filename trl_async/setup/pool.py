@@ -16,21 +16,21 @@ from accelerate.utils import is_peft_model
 from transformers.utils import logging
 from trl.data_utils import is_conversational
 
-from .engines.transformers.continuous import continuous_slots
-from .engines.transformers.worker import WorkerSpec
-from .engines.transformers.worker_process import ProcessBackend
-from .precision import device_precision
-from .rollout.environments import EnvironmentPool
-from .rollout.episodes import EpisodeRunner
-from .rollout.filtering import SignalFilter
-from .rollout.pool import PoolSettings, RolloutPool
-from .rollout.prompts import PromptStream
-from .rollout.rollout_func import RolloutFuncRunner
-from .rollout.scoring import RewardScorer, group_scorer
-from .rollout.tool_calls import ToolRunner, split_tools
-from .sampling import SamplingSettings, settings_of
-from .weights.lora import adapter_tensors
-from .weights.policy import policy_specs
+from ..correction.sampling import SamplingSettings, settings_of
+from ..engines.transformers.continuous import continuous_slots
+from ..engines.transformers.worker import WorkerSpec
+from ..engines.transformers.worker_process import ProcessBackend
+from ..hardware.precision import device_precision
+from ..rollout.environments import EnvironmentPool
+from ..rollout.episodes import EpisodeRunner
+from ..rollout.filtering import SignalFilter
+from ..rollout.pool import PoolSettings, RolloutPool
+from ..rollout.prompts import PromptStream
+from ..rollout.rollout_func import RolloutFuncRunner
+from ..rollout.scoring import RewardScorer, group_scorer
+from ..rollout.tool_calls import ToolRunner, split_tools
+from ..weights.lora import adapter_tensors
+from ..weights.policy import policy_specs
 
 logger = logging.get_logger(__name__)
 CONTEXT_ESTIMATE = 512  # prompt tokens a continuous-batching worker's KV cache is sized for, per row (rows share it)
@@ -55,7 +55,7 @@ class SamplingInputs:
 
 @dataclass(frozen=True)
 class PoolInputs:
-    """Everything the pool is built from, handed over by the trainer (trl_async/trainer_view.py builds it)."""
+    """Everything the pool is built from, handed over by the trainer (trainer_view.py builds it)."""
 
     args: Any  # the GRPOConfig
     async_args: Any  # AsyncFields, resolved
@@ -244,7 +244,7 @@ def vllm_urls(p: PoolInputs) -> list[str]:
 def start_colocated_servers(p: PoolInputs, servers: list) -> None:
     """vllm_mode='colocate': start a vLLM server on each of the trainer's GPU groups, appended to ``servers`` as it
     starts (the caller stops them if anything fails), and wait for them."""
-    from .engines.vllm.colocate import ColocatedServer, colocated_flags, wait_for
+    from ..engines.vllm.colocate import ColocatedServer, colocated_flags, wait_for
 
     args, a = p.args, p.async_args
     base = p.model.get_base_model() if is_peft_model(p.model) else p.model
@@ -325,7 +325,7 @@ def rollout_sampling(s: SamplingInputs) -> SamplingSettings:
 
 
 def _vllm_backend(p: PoolInputs, urls: list[str], owned: list):
-    from .engines.vllm.backend import AdapterPlan, VLLMBackend, VLLMLaneSpec
+    from ..engines.vllm.backend import AdapterPlan, VLLMBackend, VLLMLaneSpec
 
     args, a, model = p.args, p.async_args, p.model
     sampling = vllm_sampling_params(p.sampling)

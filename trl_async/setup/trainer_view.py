@@ -1,6 +1,6 @@
 """The trainer as the layers below it see it: the one place that reads an ``AsyncGRPOTrainer``'s attributes for
 them, GRPOTrainer's private ones included, so that a TRL release renaming one fails here, at set-up, by name.
-pool_setup.py builds the pool from ``PoolInputs`` alone, setup_checks.py checks ``Loaded``. A user's ``rollout_func``
+``pool.py`` builds the pool from ``PoolInputs`` alone, ``checks.py`` checks ``Loaded``. A user's ``rollout_func``
 gets the trainer itself (TRL's contract), through ``RolloutFuncTrainerView`` on a background thread."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import copy
 import functools
 import math
 
-from .pool_setup import PoolInputs, SamplingInputs
-from .rollout.grpo_private import generate_single_turn
-from .setup_checks import Loaded
+from ..rollout.grpo_private import generate_single_turn
+from .checks import Loaded
+from .pool import PoolInputs, SamplingInputs
 
 
 def loaded(trainer) -> Loaded:

@@ -1,6 +1,6 @@
 """The off-policy correction seam of ``AsyncGRPOTrainer``: pi_prox, the staleness weight, and GRPOTrainer's loss
 with its ``importance_sampling_ratio`` input switched on. Mixed into the trainer; the weights themselves are pure
-functions (``correction.py``), and the processed distribution the ratio compares is ``sampling.py``'s."""
+functions (``importance.py``), and the processed distribution the ratio compares is ``sampling.py``'s."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from trl.models.utils import disable_gradient_checkpointing
 
 from .attributes import swapped
-from .correction import off_policy_correction, stats_across_ranks
+from .importance import off_policy_correction, stats_across_ranks
 from .sampling import proximal_logps
 
 

@@ -16,10 +16,10 @@ from torch import nn
 from transformers.utils import logging
 from trl.data_utils import is_conversational
 
-from .engines.transformers.slots import SlotRows, continuous_engine
-from .generation_modes import continuous_blocker, refused_generation, refused_paged_settings
-from .precision import emulated_precision_warning
-from .rollout.staleness import default_queue_size
+from ..correction.generation_modes import continuous_blocker, refused_generation, refused_paged_settings
+from ..engines.transformers.slots import SlotRows, continuous_engine
+from ..hardware.precision import emulated_precision_warning
+from ..rollout.staleness import default_queue_size
 
 logger = logging.get_logger(__name__)
 
@@ -49,7 +49,7 @@ def check_lora_on_tied_embeddings(model: nn.Module) -> None:
     layer tied to the embedding): the trainer's forward adds it in the adapted layer only, while a worker given the
     merged weight would use it in both (the tie), sampling from another policy. Refused rather than silently corrected
     as staleness. ``model``: a peft model."""
-    from .weights.lora import clean_peft_name
+    from ..weights.lora import clean_peft_name
 
     owners: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -119,7 +119,7 @@ def refuse_before_loading(
 
 @dataclass(frozen=True)
 class Loaded:
-    """What GRPOTrainer has set up, as the checks after loading read it (trl_async/trainer_view.py builds it)."""
+    """What GRPOTrainer has set up, as the checks after loading read it (trainer_view.py builds it)."""
 
     args: Any  # the GRPOConfig
     async_args: Any
