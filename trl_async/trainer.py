@@ -23,8 +23,7 @@ from transformers.trainer_callback import ExportableState, ProgressCallback
 from transformers.utils import logging
 from trl import GRPOTrainer
 
-from .config import async_fields_of, for_grpo_trainer
-from .config.engine_choice import settle_rollout_device
+from .config import for_grpo_trainer, resolve_settings
 from .correction.attributes import swapped
 from .correction.seam import CorrectionSeam
 from .engines.transformers.worker_process import prestart_worker_server
@@ -98,7 +97,8 @@ class AsyncGRPOTrainer(CorrectionSeam, GRPOTrainer):
         refuse_before_loading(
             model, args, train_dataset, quantization_config, rollout_func, tools, environment_factory
         )
-        settings = async_fields_of(args) if args is not None else None  # TRL's use_vllm/vllm_mode resolved here
+        # resolved once, here (GRPOTrainer's default args, when none are given, once it has made them)
+        settings = resolve_settings(args, args.device) if args is not None else None
         rank = get_int_from_env(["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK"], 0)
         if (settings is None or settings.rollout_backend == "transformers") and rank == 0:
             # the main process's workers: their forkserver's imports overlap GRPOTrainer's set-up below, not step 1
@@ -121,8 +121,7 @@ class AsyncGRPOTrainer(CorrectionSeam, GRPOTrainer):
         )
         if args is not None:  # the settings as the user gave them (checkpoints and trackers record these)
             self.args.use_vllm = getattr(args, "use_vllm", False)  # (GRPOTrainer keeps its own self.use_vllm off)
-        self.async_args = settings if settings is not None else async_fields_of(self.args)
-        settle_rollout_device(self.async_args, self.accelerator.device)  # transformers workers: CPU or which GPU
+        self.async_args = settings if settings is not None else resolve_settings(self.args, self.accelerator.device)
         self._colocated_gpus = (  # vllm_mode='colocate': the GPUs of each server the main process starts
             trainer_gpu_groups(self.accelerator, self.args.vllm_tensor_parallel_size)
             if self.async_args.vllm_colocate

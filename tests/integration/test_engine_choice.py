@@ -39,19 +39,19 @@ def test_the_config_resolves_trls_fields_and_grpo_trainer_sees_no_vllm_of_its_ow
     from trl import GRPOConfig
 
     from trl_async import AsyncGRPOConfig
-    from trl_async.config import async_fields_of, for_grpo_trainer
+    from trl_async.config import for_grpo_trainer, resolve_settings
 
     base = dict(output_dir="/tmp/unused", report_to=[], use_cpu=True, bf16=False)
     args = AsyncGRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_base_url="http://h:8000", **base)
     assert args.rollout_backend is None  # as set: resolved wherever the settings are read
-    assert (async_fields_of(args).rollout_backend, async_fields_of(args).vllm_colocate) == ("vllm", False)
+    assert (resolve_settings(args).rollout_backend, resolve_settings(args).vllm_colocate) == ("vllm", False)
     copied = copy.copy(args)  # a copy with TRL's switch turned off follows it
     copied.use_vllm = False
-    assert async_fields_of(copied).rollout_backend == "transformers"
+    assert resolve_settings(copied).rollout_backend == "transformers"
     parent = for_grpo_trainer(args)
     assert parent is not args and parent.use_vllm is False and args.use_vllm is True
     plain = GRPOConfig(use_vllm=True, vllm_mode="colocate", **base)  # a plain GRPOConfig swapped in
-    settings = async_fields_of(plain)
+    settings = resolve_settings(plain)
     assert (settings.rollout_backend, settings.vllm_colocate) == ("vllm", True)
     assert for_grpo_trainer(GRPOConfig(**base)).use_vllm is False
     # with vLLM, GRPOTrainer ignores its continuous batching switch, evaluation included; without, it keeps it

@@ -2,7 +2,7 @@ import pytest
 from trl import GRPOConfig
 
 from trl_async import AsyncGRPOConfig
-from trl_async.config import AsyncFields, async_fields_of
+from trl_async.config import AsyncFields, resolve_settings
 
 BASE = dict(output_dir="/tmp/trl_async_cfg", report_to=[], bf16=False, use_cpu=True)
 
@@ -50,7 +50,7 @@ def test_weight_sync_must_fit_in_the_staleness_bound():
 
 
 def test_plain_grpo_config_gets_async_defaults():
-    settings = async_fields_of(GRPOConfig(**BASE))
+    settings = resolve_settings(GRPOConfig(**BASE))
     # the defaults, resolved: the engine (use_vllm=False: transformers workers) and the correction (loss_type="dapo")
     assert settings == AsyncFields(rollout_backend="transformers", off_policy_correction="decoupled")
     assert settings.max_staleness == 1 and settings.off_policy_correction == "decoupled"
@@ -59,7 +59,7 @@ def test_plain_grpo_config_gets_async_defaults():
 
 def test_vespo_gets_truncation_by_default_and_refuses_weights_that_do_not_compose():
     assert AsyncGRPOConfig(**BASE, loss_type="vespo").off_policy_correction == "tis"
-    assert async_fields_of(GRPOConfig(**BASE, loss_type="vespo")).off_policy_correction == "tis"
+    assert resolve_settings(GRPOConfig(**BASE, loss_type="vespo")).off_policy_correction == "tis"
     assert AsyncGRPOConfig(**BASE, loss_type="vespo", off_policy_correction="none").off_policy_correction == "none"
     for mode in ("decoupled", "mask", "seq_tis", "seq_mask"):
         with pytest.raises(ValueError, match=rf"off_policy_correction='{mode}' is invalid: with loss_type='vespo' use "
@@ -78,7 +78,7 @@ def test_caps_default_by_mode_and_none_warns_when_stale():
 def test_async_config_is_a_grpo_config_with_its_values():
     cfg = AsyncGRPOConfig(**BASE, max_staleness=3, num_rollout_workers=2)
     assert isinstance(cfg, GRPOConfig)
-    assert async_fields_of(cfg).max_staleness == 3 and async_fields_of(cfg).num_rollout_workers == 2
+    assert resolve_settings(cfg).max_staleness == 3 and resolve_settings(cfg).num_rollout_workers == 2
 
 
 def test_paged_engine_settings_that_would_break_mu_or_the_swap_are_refused_where_they_would_be_used():
@@ -259,3 +259,13 @@ def test_a_deepspeed_run_without_deepspeed_names_the_extra(monkeypatch):
         AsyncGRPOConfig(**BASE)
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
     assert AsyncGRPOConfig(**BASE).max_staleness == 1  # not a DeepSpeed run: nothing needed
+
+
+def test_a_runs_settings_are_resolved_once_and_read_only_while_the_config_keeps_what_was_given():
+    cfg = AsyncGRPOConfig(**BASE)
+    settings = resolve_settings(cfg)
+    assert cfg.rollout_backend is None and settings.rollout_backend == "transformers"  # follows use_vllm, on read
+    with pytest.raises(AttributeError, match="read-only: max_staleness cannot change"):
+        settings.max_staleness = 5
+    cfg.max_staleness = 2  # the config stays an editable dataclass, as GRPOConfig is
+    assert resolve_settings(cfg).max_staleness == 2 and settings.max_staleness == 1

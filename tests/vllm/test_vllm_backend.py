@@ -442,21 +442,37 @@ def test_an_in_flight_push_switches_versions_mid_completion_and_tags_every_token
     vllm_server, vllm_model_dir
 ):
     """pause(keep) -> push -> reset cache -> resume while a request runs: its tokens before the switch come from the
-    old weights and carry the old version, the rest from the new weights (KV recomputed) with the new version."""
+    old weights and carry the old version, the rest from the new weights (KV recomputed) with the new version. The
+    transport is open before the request starts, so the push pauses the server a chosen delay after the request went
+    out; a push that landed before the first token or after the last is tried again with the delay doubled or
+    halved, so the pause lands mid-request whatever the machine's load (a server's metrics lag too far behind to
+    say when it decodes)."""
     server = VLLMServer(vllm_server.url)
     old, new = _perturbed(vllm_model_dir, seed=4), _perturbed(vllm_model_dir, seed=5)
+    pusher = VLLMWeightPusher([server], "gloo", 1 << 16, 60, policy_specs(old, persistent_only=True))
+
+    def push(model, version, pause_mode):
+        nothing = lambda params: contextlib.nullcontext()  # noqa: E731 - no gathers: one process
+        pusher.push(iter_policy_buckets(model, nothing, 1 << 16, persistent_only=True), version, pause_mode)
+
     prompt = [7, 8, 9]
     params = {"n": 1, "max_tokens": 240, "temperature": 1.0, "logprobs": 0, "seed": 1, "ignore_eos": True}
-    for attempt in range(3):  # the push must land while the request decodes; on a stalled machine, try again
-        _push(server, old, version=10 + 2 * attempt)
+    delay = 0.2
+    for attempt in range(10):
+        before, after = 10 + 2 * attempt, 11 + 2 * attempt
+        push(old, before, "wait")
         result: dict = {}
         request = threading.Thread(target=lambda out=result: out.update(c=server.generate(prompt, params)[0]))
         request.start()
-        time.sleep(0.1)
-        _push(server, new, version=11 + 2 * attempt, pause_mode="keep")
+        time.sleep(delay)
+        push(new, after, "keep")
         request.join(60)
-        c, before, after = result["c"], 10 + 2 * attempt, 11 + 2 * attempt
-        if after in c.versions:
+        c = result["c"]
+        if after not in c.versions:  # it had finished: pause sooner
+            delay /= 2
+        elif c.versions.index(after) == 0:  # it had not begun: pause later
+            delay *= 2
+        else:
             break
     switch = c.versions.index(after)
     assert 0 < switch < len(c.versions) and c.versions == (before,) * switch + (after,) * (len(c.versions) - switch)

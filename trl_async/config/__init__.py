@@ -2,8 +2,9 @@
 
 The async fields live once, in ``AsyncFields`` (``async_fields.py``); ``AsyncGRPOConfig`` mixes them into
 ``GRPOConfig``, and a plain ``GRPOConfig`` given to the trainer gets ``AsyncFields()`` defaults. Building the settings
-takes two steps: ``defaults.resolve_defaults`` fills what depends on GRPO's own fields, then
-``checks.check_async_fields`` validates every field (``ValueError`` naming the field and the fix)."""
+takes one call, ``resolve_settings``: ``defaults.resolve_defaults`` fills what depends on GRPO's own fields,
+``checks.check_async_fields`` validates every field (``ValueError`` naming the field and the fix), and the trainer's
+device decides where the transformers workers generate. The result is read-only."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from .async_fields import (
     AsyncFields,
 )
 from .checks import check_async_fields
-from .defaults import DEFAULT_CAPS, available_cores, resolve_defaults
+from .defaults import DEFAULT_CAPS, available_cores, correction_default, resolve_defaults
+from .engine_choice import settle_rollout_device
 
 __all__ = [
     "DEFAULT_CAPS",
@@ -37,10 +39,9 @@ __all__ = [
     "WEIGHT_UPDATE_POINTS",
     "AsyncFields",
     "AsyncGRPOConfig",
-    "async_fields_of",
     "available_cores",
     "for_grpo_trainer",
-    "settle",
+    "resolve_settings",
     "trl_engine_fields",
 ]
 
@@ -56,20 +57,31 @@ def require_deepspeed(deepspeed_config) -> None:
         )
 
 
-def settle(settings: AsyncFields, args) -> AsyncFields:
-    """Resolve the defaults of ``settings`` against GRPO's fields in ``args``, then check every field."""
+def resolve_settings(args, trainer_device=None) -> AsyncFields:
+    """The async settings of a run on ``args`` (an ``AsyncGRPOConfig``'s own, or the defaults for a plain
+    ``GRPOConfig``), resolved in one place: the engine from GRPOConfig's ``use_vllm``/``vllm_mode``, the correction
+    from ``loss_type``, and, given the trainer's device, where the transformers workers generate. Every field is
+    checked (``ValueError`` naming it and the fix). The result is read-only: the one object the trainer, the pool and
+    the publisher read. ``args`` itself is left as it was given."""
+    settings = AsyncFields(**{f.name: getattr(args, f.name) for f in fields(AsyncFields) if f.init and hasattr(args, f.name)})
     trl = trl_engine_fields(args)
     resolve_defaults(settings, **trl)
-    check_async_fields(settings, trl["loss_type"])
+    check_async_fields(_BesideGRPOFields(settings, args), trl["loss_type"])
+    if trainer_device is not None:
+        settle_rollout_device(settings, trainer_device)
+    settings.seal()
     return settings
 
 
-def async_fields_of(args: GRPOConfig) -> AsyncFields:
-    """The async settings of ``args``: its own for an ``AsyncGRPOConfig``, the defaults for a plain ``GRPOConfig``."""
-    settings = AsyncFields(
-        **{f.name: getattr(args, f.name) for f in fields(AsyncFields) if f.init and hasattr(args, f.name)}
-    )
-    return settle(settings, args)
+class _BesideGRPOFields:
+    """The settings, with GRPOConfig's own fields of ``args`` beside them: the cross-field rules read both
+    (``generation_kwargs``, ``top_k``, continuous batching)."""
+
+    def __init__(self, settings: AsyncFields, args) -> None:
+        self._settings, self._args = settings, args
+
+    def __getattr__(self, name):
+        return getattr(self._settings if hasattr(self._settings, name) else self._args, name)
 
 
 def trl_engine_fields(args) -> dict:
@@ -101,8 +113,8 @@ class AsyncGRPOConfig(GRPOConfig, AsyncFields):
     def __post_init__(self):
         require_deepspeed(self.deepspeed)
         super().__post_init__()
-        given = self.rollout_backend
-        settle(self, self)
-        # kept as set: the engine is resolved again, with use_vllm as it is then, wherever the settings are read
-        # (async_fields_of), so a config copied with another use_vllm follows it
-        self.rollout_backend, self.vllm_colocate = given, False
+        # as GRPOConfig fills its own derived fields: the correction follows loss_type, a field of this config
+        self.off_policy_correction = correction_default(self.off_policy_correction, self.loss_type)
+        # every field checked now; the engine is left as given, since it follows use_vllm, which a copy of this
+        # config may change: it is resolved when a trainer reads the config (resolve_settings)
+        resolve_settings(self)

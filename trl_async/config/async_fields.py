@@ -28,7 +28,16 @@ LORA_SYNCS = get_args(LoraSync)
 @dataclass
 class AsyncFields(ResolvedDefaults):
     """The async-only settings. Three of them are the dials of async RL: ``max_staleness``,
-    ``rollout_batch_groups`` and ``weight_sync_steps``."""
+    ``rollout_batch_groups`` and ``weight_sync_steps``. A run's own copy is resolved once and then sealed
+    (``resolve_settings``): read-only from then on."""
+
+    def seal(self) -> None:
+        object.__setattr__(self, "_sealed", True)
+
+    def __setattr__(self, name, value):
+        if self.__dict__.get("_sealed"):
+            raise AttributeError(f"the run's settings are resolved once and read-only: {name} cannot change now")
+        super().__setattr__(name, value)
 
     rollout_backend: RolloutBackend | None = field(
         default=None,

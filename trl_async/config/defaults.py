@@ -39,8 +39,14 @@ def resolve_defaults(
         settings.rollout_backend, use_vllm, vllm_mode, settings.rollout_vllm_urls, vllm_enable_sleep_mode
     )
     settings.rollout_backend, settings.vllm_colocate = choice.backend, choice.colocate
-    if settings.off_policy_correction is None:
-        settings.off_policy_correction = "tis" if loss_type == "vespo" else "decoupled"
+    settings.off_policy_correction = correction_default(settings.off_policy_correction, loss_type)
+
+
+def correction_default(given: str | None, loss_type: str | None) -> str:
+    """``off_policy_correction`` as given, or its default for ``loss_type``: 'tis' under VESPO, else 'decoupled'."""
+    if given is not None:
+        return given
+    return "tis" if loss_type == "vespo" else "decoupled"
 
 
 class ResolvedDefaults:
