@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${TRL_ASYNC_VLLM_VENV:-.venv-vllm}"
-# one install at a time (.ci/run starts one in the background while the first tests run): a second caller waits here,
+# one install at a time (.ci/run starts one in the background from its start): a second caller waits here,
 # then finds the environment complete
 exec 9>"$VENV.lock"
 flock 9

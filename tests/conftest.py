@@ -93,8 +93,8 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.distributed)
         if VLLM_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.vllm)
-    # the vLLM tests last (stable order otherwise): `.ci/run` installs the vLLM environment in the background while
-    # the others run, so the first vLLM server rarely waits for it
+    # the vLLM tests last (stable order otherwise): their servers start in the background while the others run
+    # (tests/vllm_server.py, Prestart), and `.ci/run` installs the vLLM environment before the tests begin
     uses_vllm = [item.get_closest_marker("vllm") is not None for item in items]
     items[:] = [i for i, v in zip(items, uses_vllm, strict=True) if not v] + [
         i for i, v in zip(items, uses_vllm, strict=True) if v

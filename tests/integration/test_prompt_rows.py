@@ -83,7 +83,7 @@ def test_a_dataset_with_a_random_transform_scores_and_trains_the_reading_that_wa
 
 
 def test_the_pools_rendering_of_a_prompt_is_grpo_trainers(tmp_path, tiny_model_dir, tool_model_dir):
-    """The pool renders each prompt once (pool_setup.make_tokenize_row) and GRPOTrainer trains on that rendering, so it
+    """The pool renders each prompt once (setup.pool.make_tokenize_row) and GRPOTrainer trains on that rendering, so it
     must be GRPOTrainer's own: plain text, messages, with chat_template_kwargs, with tools."""
     from trl import GRPOTrainer
 

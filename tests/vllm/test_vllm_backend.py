@@ -444,9 +444,9 @@ def test_an_in_flight_push_switches_versions_mid_completion_and_tags_every_token
     """pause(keep) -> push -> reset cache -> resume while a request runs: its tokens before the switch come from the
     old weights and carry the old version, the rest from the new weights (KV recomputed) with the new version. The
     transport is open before the request starts, so the push pauses the server a chosen delay after the request went
-    out; a push that landed before the first token or after the last is tried again with the delay doubled or
-    halved, so the pause lands mid-request whatever the machine's load (a server's metrics lag too far behind to
-    say when it decodes)."""
+    out; a push that landed before the first token or after the last is tried again with a delay between the known
+    early and late ones (doubled while none was late), so the pause lands mid-request whatever the machine's load (a
+    server's metrics lag too far behind to say when it decodes)."""
     server = VLLMServer(vllm_server.url)
     old, new = _perturbed(vllm_model_dir, seed=4), _perturbed(vllm_model_dir, seed=5)
     pusher = VLLMWeightPusher([server], "gloo", 1 << 16, 60, policy_specs(old, persistent_only=True))
@@ -457,6 +457,7 @@ def test_an_in_flight_push_switches_versions_mid_completion_and_tags_every_token
 
     prompt = [7, 8, 9]
     params = {"n": 1, "max_tokens": 240, "temperature": 1.0, "logprobs": 0, "seed": 1, "ignore_eos": True}
+    early, late = 0.0, None  # delays known to pause before the first token, and after the last
     delay = 0.2
     for attempt in range(10):
         before, after = 10 + 2 * attempt, 11 + 2 * attempt
@@ -467,13 +468,17 @@ def test_an_in_flight_push_switches_versions_mid_completion_and_tags_every_token
         time.sleep(delay)
         push(new, after, "keep")
         request.join(60)
+        assert "c" in result, "the request did not return"
         c = result["c"]
         if after not in c.versions:  # it had finished: pause sooner
-            delay /= 2
+            late = delay
         elif c.versions.index(after) == 0:  # it had not begun: pause later
-            delay *= 2
+            early = delay
         else:
             break
+        delay = (early + late) / 2 if late is not None else 2 * delay
+    else:
+        pytest.fail(f"no push landed mid-request in 10 tries (last delay {delay:.3f}s)")
     switch = c.versions.index(after)
     assert 0 < switch < len(c.versions) and c.versions == (before,) * switch + (after,) * (len(c.versions) - switch)
     ids = torch.tensor([prompt + list(c.token_ids)])

@@ -63,10 +63,16 @@ def resolve_settings(args, trainer_device=None) -> AsyncFields:
     from ``loss_type``, and, given the trainer's device, where the transformers workers generate. Every field is
     checked (``ValueError`` naming it and the fix). The result is read-only: the one object the trainer, the pool and
     the publisher read. ``args`` itself is left as it was given."""
-    settings = AsyncFields(**{f.name: getattr(args, f.name) for f in fields(AsyncFields) if f.init and hasattr(args, f.name)})
+    settings = AsyncFields(
+        **{f.name: getattr(args, f.name) for f in fields(AsyncFields) if f.init and hasattr(args, f.name)}
+    )
     trl = trl_engine_fields(args)
     resolve_defaults(settings, **trl)
-    check_async_fields(_BesideGRPOFields(settings, args), trl["loss_type"])
+    # an AsyncGRPOConfig's rules read GRPOConfig's fields beside the async ones; a plain GRPOConfig gets the async
+    # defaults, checked alone (the transformers workers' rules on its own fields run after loading, setup/checks.py)
+    check_async_fields(
+        _BesideGRPOFields(settings, args) if isinstance(args, AsyncFields) else settings, trl["loss_type"]
+    )
     if trainer_device is not None:
         settle_rollout_device(settings, trainer_device)
     settings.seal()

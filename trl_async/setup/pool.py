@@ -59,12 +59,12 @@ class PoolInputs:
 
     args: Any  # the GRPOConfig
     async_args: Any  # AsyncFields, resolved
-    geometry: Any  # setup_checks.PoolGeometry
+    geometry: Any  # checks.PoolGeometry
     sampling: SamplingInputs
     model: Any  # the unwrapped policy (its weights are published from it)
     device: Any  # the trainer's torch device
     start_version: int
-    core_split: Any  # cores.CoreSplit, or None
+    core_split: Any  # hardware.cores.CoreSplit, or None
     adapter_sync: bool  # LoRA: workers get the base once, then the adapters
     colocated_gpus: list | None  # vllm_mode='colocate': each server's GPUs
     # prompts and their rendering
@@ -82,9 +82,7 @@ class PoolInputs:
     multi_environment: bool
     max_tool_calling_iterations: int | None
     rollout_func: Callable | None
-    rollout_func_view: (
-        Callable  # (generate, tokenizer) -> what a rollout_func receives as its trainer (TRL's contract)
-    )
+    rollout_func_view: Callable  # (generate, tokenizer) -> the trainer a rollout_func receives (TRL's contract)
     event_loop: Any  # GRPOTrainer's async loop, if a reward or tool is async
     # scoring
     reward_funcs: list  # as scored on the main process (sharded reward models unsharded)

@@ -1,7 +1,9 @@
 """The trainer as the layers below it see it: the one place that reads an ``AsyncGRPOTrainer``'s attributes for
 them, GRPOTrainer's private ones included, so that a TRL release renaming one fails here, at set-up, by name.
 ``pool.py`` builds the pool from ``PoolInputs`` alone, ``checks.py`` checks ``Loaded``. A user's ``rollout_func``
-gets the trainer itself (TRL's contract), through ``RolloutFuncTrainerView`` on a background thread."""
+gets the trainer itself (TRL's contract), through ``RolloutFuncTrainerView`` on a background thread; outside a
+background rollout (evaluation) it samples with the trainer's own model (``generate_with_trainer_model``, which sets
+the trainer's generation config for the length of one call)."""
 
 from __future__ import annotations
 

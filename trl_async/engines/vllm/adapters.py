@@ -1,6 +1,6 @@
 """Adapter-only LoRA sync to vLLM servers: each policy version is served as a named adapter.
 
-The frozen base goes to every server once, through the weight push (``weights.py``). Each version's adapters then
+The frozen base goes to every server once, through the weight push (``weight_push/``). Each version's adapters then
 travel as a directory: ``served_adapter`` (weights/lora.py) folds every layer's adapters and scales into one
 peft-format adapter, written as ``adapter_model.safetensors`` and ``adapter_config.json``, and every server loads it
 with ``POST /v1/load_lora_adapter`` under a name of its own (``trl_async-<run>-v<version>``). A request names the

@@ -27,7 +27,7 @@ from transformers.utils import logging
 
 from ...weights.buckets import Buckets
 from ...weights.lora_merge import served_adapter
-from .adapters import AdapterPlan  # noqa: F401 - pool_setup builds it from here
+from .adapters import AdapterPlan  # noqa: F401 - setup/pool.py builds it from here
 from .client import VLLMServer
 from .server_checks import ServerSurvey, survey_servers
 from .server_lane import VLLMLane, VLLMLaneSpec, cut_after_eos  # noqa: F401 - importable from here

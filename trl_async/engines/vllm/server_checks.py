@@ -25,7 +25,7 @@ class ServerSurvey:
 
     servers: list[VLLMServer]  # a client each (requests retried within rollout_vllm_retry_s)
     transport: str  # the weight transport they share: 'nccl' or 'gloo'
-    identities: list[dict]  # what each must still be to be taken back after a loss (reattach.identity)
+    identities: list[dict]  # what each must still be to be taken back after a loss (recovery.identity)
     adapter_blocker: str | None = None  # adapter-only LoRA sync asked for: why the servers cannot serve it
     served: ServedAdapters | None = None  # adapter-only LoRA sync on: the servers' named adapters
 
