@@ -1,4 +1,6 @@
-"""Real 2-process training under `accelerate launch` on CPU (gloo): DDP, DeepSpeed ZeRO-2, ZeRO-3, ZeRO-3 + LoRA.
+"""Real 2-process training under `accelerate launch` on CPU (gloo): DDP, DeepSpeed ZeRO-2, ZeRO-3, ZeRO-3 + LoRA,
+FSDP2 and FSDP2 + LoRA (TRL's FSDP2 config with 2 processes; accelerate's CPU gate opened by the launched script,
+tests/distributed/fsdp_cpu.py).
 
 After training, the workers' weights (the last published version, which is the final trainer state since weights
 are published after every step) must equal the consolidated trainer weights exactly (LoRA: equal to peft's own merge
@@ -28,8 +30,16 @@ LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
 
 @pytest.mark.parametrize(
     "config,extra",
-    [("ddp", ["--use_cpu"]), ("zero2", []), ("zero3", []), ("zero3", ["--peft"]), ("zero3_offload", [])],
-    ids=["ddp", "zero2", "zero3", "zero3-lora", "zero3-offload"],
+    [
+        ("ddp", ["--use_cpu"]),
+        ("zero2", []),
+        ("zero3", []),
+        ("zero3", ["--peft"]),
+        ("zero3_offload", []),
+        ("fsdp2", ["--fsdp_on_cpu", "--max_staleness", "0"]),
+        ("fsdp2", ["--fsdp_on_cpu", "--peft"]),
+    ],
+    ids=["ddp", "zero2", "zero3", "zero3-lora", "zero3-offload", "fsdp2", "fsdp2-lora"],
 )
 def test_two_process_training_syncs_exact_weights(tmp_path, tiny_model_dir, config, extra):
     out = tmp_path / "result.json"
@@ -42,7 +52,10 @@ def test_two_process_training_syncs_exact_weights(tmp_path, tiny_model_dir, conf
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-20000:]  # a native abort: room for its stacks
     result = json.loads(out.read_text())
     assert result["num_processes"] == 2 and result["steps"] == 3
-    assert result["zero_stage"] == {"ddp": 0, "zero2": 2, "zero3": 3, "zero3_offload": 3}[config]
+    assert result["zero_stage"] == {"ddp": 0, "zero2": 2, "zero3": 3, "zero3_offload": 3, "fsdp2": 0}[config]
+    if config == "fsdp2":  # every parameter sharded across the two ranks (a DTensor), gathered bucket by bucket
+        sharded, params = result["sharded_params"]
+        assert result["fsdp_version"] == 2 and sharded == params > 0
     assert result["mismatches"] == []
     assert all("inv_freq" in name for name in result["not_compared"])  # non-persistent buffers only
     assert result["compared"] == result["expected"] - len(result["not_compared"]) >= 20
@@ -52,6 +65,8 @@ def test_two_process_training_syncs_exact_weights(tmp_path, tiny_model_dir, conf
     # ranks log the same gathered values
     is_logs = [json.loads((tmp_path / f"result.json.is.rank{r}").read_text()) for r in (0, 1)]
     assert len(is_logs[0]) == 3 and "is/kl_behaviour" in is_logs[0][0] and is_logs[0] == is_logs[1]
+    if "--max_staleness" in extra:  # 0: the workers sampled with the weights being trained, token for token
+        assert all(abs(log[k] - 1) < 1e-3 for log in is_logs[0] for k in ("is/ratio_min", "is/ratio_max")), is_logs[0]
     if "--peft" in extra:  # adapter-only sync: each version carries the q/v adapters of the 2 layers and their scales
         assert result["adapter_only"]
         assert len(result["per_version"]) == 2 * 2 * 2 + 1 and all(
@@ -72,21 +87,26 @@ def test_two_process_training_syncs_exact_weights(tmp_path, tiny_model_dir, conf
             assert torch.allclose(torch.tensor([x["advantage"] for x in rows[r]]), expected, atol=1e-4)
 
 
-def test_zero3_trainer_pushes_its_gathered_weights_to_a_vllm_server(tmp_path, vllm_model_dir, vllm_server):
-    """2-process ZeRO-3 (every parameter sharded) generating on a real vLLM CPU server: both ranks stream the buckets in
-    lock-step, rank 0 pushes each one over gloo before the next gather; after training the server's greedy output is
-    the consolidated model's, and every token trained on was tagged by the server with a version within the bound."""
+@pytest.mark.parametrize("config,extra", [("zero3", []), ("fsdp2", ["--fsdp_on_cpu"])], ids=["zero3", "fsdp2"])
+def test_a_sharded_trainer_pushes_its_gathered_weights_to_a_vllm_server(
+    tmp_path, vllm_model_dir, vllm_server, config, extra
+):
+    """2-process ZeRO-3 or FSDP2 (every parameter sharded) generating on a real vLLM CPU server: both ranks stream the
+    buckets in lock-step, rank 0 pushes each one over gloo before the next gather; after training the server's greedy
+    output is the consolidated model's, and every token trained on was tagged by the server with a version within the
+    bound."""
     out = tmp_path / "result.json"
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/accelerate/zero3.yaml"),
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / f"recipes/accelerate/{config}.yaml"),
         str(ROOT / "tests/distributed/train_and_check.py"), "--model", vllm_model_dir, "--out", str(out),
-        "--vllm_url", vllm_server.url,
+        "--vllm_url", vllm_server.url, *extra,
     ]  # fmt: skip
     env = {**os.environ, **LAUNCH_ENV}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-20000:]  # a native abort: room for its stacks
     result = json.loads(out.read_text())
-    assert result["num_processes"] == 2 and result["zero_stage"] == 3 and result["steps"] == 3
+    assert result["num_processes"] == 2 and result["steps"] == 3
+    assert (result["zero_stage"], result["fsdp_version"]) == {"zero3": (3, None), "fsdp2": (0, 2)}[config]
     assert result["server_version"] == {"0": 3} and result["max_staleness_seen"] <= 1
     model = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
     model.load_state_dict(torch.load(tmp_path / "final.pt"))  # strict: the consolidated trainer weights, all of them
@@ -102,25 +122,28 @@ def test_zero3_trainer_pushes_its_gathered_weights_to_a_vllm_server(tmp_path, vl
             assert row["versions"] and all(row["step"] - 1 <= v <= row["step"] for v in row["versions"])
 
 
-def test_a_reward_model_under_zero3_scores_on_rank_0_without_the_other_rank(tmp_path, tiny_model_dir):
-    """GRPOTrainer shards reward models with DeepSpeed at stage 3, so their forward is a collective; our scorer runs
+@pytest.mark.parametrize("config,extra", [("zero3", []), ("fsdp2", ["--fsdp_on_cpu"])], ids=["zero3", "fsdp2"])
+def test_a_sharded_reward_model_scores_on_rank_0_without_the_other_rank(tmp_path, tiny_model_dir, config, extra):
+    """Under ZeRO-3 GRPOTrainer shards reward models with DeepSpeed, so their forward is a collective; our scorer runs
     on rank 0's background thread, where the other rank never joins. Rank 0 keeps an unsharded copy for scoring: the
-    run finishes, and every recorded score equals the reward model's own output on that text."""
+    run finishes, and every recorded score equals the reward model's own output on that text. Under FSDP2
+    GRPOTrainer leaves reward models whole on every rank (accelerate's prepare_model in evaluation mode does not
+    shard): the scorer uses them as they are, and a TRL that starts sharding them fails here."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    rm_config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2, num_labels=1,
                          pad_token_id=tokenizer.pad_token_id)  # fmt: skip
     rm_dir = tmp_path / "rm"
-    AutoModelForSequenceClassification.from_config(config).save_pretrained(rm_dir)
+    AutoModelForSequenceClassification.from_config(rm_config).save_pretrained(rm_dir)
     tokenizer.save_pretrained(rm_dir)
     out = tmp_path / "result.json"
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/accelerate/zero3.yaml"),
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / f"recipes/accelerate/{config}.yaml"),
         str(ROOT / "tests/distributed/train_and_check.py"), "--model", tiny_model_dir, "--out", str(out),
-        "--reward_model", str(rm_dir),
+        "--reward_model", str(rm_dir), *extra,
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **LAUNCH_ENV}, start_new_session=True)  # fmt: skip
@@ -133,9 +156,12 @@ def test_a_reward_model_under_zero3_scores_on_rank_0_without_the_other_rank(tmp_
             child.kill()
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        raise AssertionError("ZeRO-3 training with a reward model hung (300 s)") from exc
+        raise AssertionError(f"{config} training with a reward model hung (300 s)") from exc
     assert proc.returncode == 0, stdout[-2000:] + stderr[-20000:]
-    assert json.loads(out.read_text())["zero_stage"] == 3
+    result = json.loads(out.read_text())
+    assert (result["zero_stage"], result["fsdp_version"]) == {"zero3": (3, None), "fsdp2": (0, 2)}[config]
+    if config == "fsdp2":
+        assert result["sharded_reward_params"] == [0]
     rm = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
     rows = [json.loads(x) for r in (0, 1) for x in (tmp_path / "run" / f"traj.jsonl.rank{r}").read_text().splitlines()]
     assert len(rows) == 3 * 8

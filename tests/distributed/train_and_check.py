@@ -31,7 +31,15 @@ def main():
     parser.add_argument("--stall_rank1", type=float, default=0.0, help="rank 1 sleeps this long before step 2")
     parser.add_argument("--vllm_url", default=None, help="generate on this vLLM server (weights pushed over gloo)")
     parser.add_argument("--reward_model", default=None, help="also score with this sequence-classification model")
+    parser.add_argument("--max_staleness", type=int, default=1)
+    parser.add_argument("--fsdp_on_cpu", action="store_true", help="FSDP on CPU ranks (tests/distributed/fsdp_cpu.py)")
     cli = parser.parse_args()
+    if cli.fsdp_on_cpu:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from fsdp_cpu import let_fsdp_run_on_cpu
+
+        let_fsdp_run_on_cpu()
+        cli.use_cpu = True  # CPU ranks over gloo, FSDP2 on them
     torch.set_num_threads(1)
     args = AsyncGRPOConfig(
         output_dir=os.path.join(os.path.dirname(cli.out), "run"),
@@ -47,7 +55,7 @@ def main():
         save_strategy="no",
         ddp_backend="gloo",
         use_cpu=cli.use_cpu,
-        max_staleness=1,
+        max_staleness=cli.max_staleness,
         rollout_verify_weights=True,
         weight_sync_bucket_mb=0.05,  # several buckets even for the tiny model
         rollout_trajectory_file="traj.jsonl",  # per rank: rewards and advantages of its rows, checked by the test
@@ -106,10 +114,16 @@ def main():
         json.dump([h for h in is_logs if h], f)
     full = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # collective: every rank calls it
     if trainer.accelerator.is_main_process:
-        if cli.peft:  # independent reference: peft's own merge on a CPU copy holding the consolidated weights
-            import copy
+        if cli.peft:  # independent reference: peft's own merge of a CPU copy holding the consolidated weights
+            if cli.fsdp_on_cpu:  # an FSDP2 model cannot be copied: a fresh one (no ZeRO-3 here to partition it)
+                from peft import get_peft_model
+                from transformers import AutoModelForCausalLM
 
-            reference_model = copy.deepcopy(trainer.accelerator.unwrap_model(trainer.model)).cpu()
+                reference_model = get_peft_model(AutoModelForCausalLM.from_pretrained(cli.model), peft_config)
+            else:  # (from_pretrained under ZeRO-3 would partition it, a collective the other rank never joins)
+                import copy
+
+                reference_model = copy.deepcopy(trainer.accelerator.unwrap_model(trainer.model)).cpu()
             for name, p in reference_model.named_parameters():
                 p.data = full[name].clone() if name in full else p.data
             reference = dict(reference_model.merge_and_unload().state_dict())
@@ -150,9 +164,19 @@ def main():
 
 
 def run_facts(trainer) -> dict:
+    from torch.distributed.tensor import DTensor
+
     logs = [h for h in trainer.state.log_history if "async/staleness_max" in h]
+    params = list(trainer.model_wrapped.parameters())
     return {
         "zero_stage": trainer._dist.zero_stage,
+        "fsdp_version": trainer._dist.fsdp_version,
+        "sharded_params": [sum(isinstance(p, DTensor) for p in params), len(params)],
+        "sharded_reward_params": [  # a reward model as GRPOTrainer prepared it
+            sum(isinstance(p, DTensor) for p in f.parameters())
+            for f in trainer.reward_funcs
+            if hasattr(f, "parameters")
+        ],
         "num_processes": trainer.accelerator.num_processes,
         "steps": trainer.state.global_step,
         "max_staleness_seen": max(h["async/staleness_max"] for h in logs),

@@ -291,20 +291,23 @@ def test_eval_dataset_is_evaluated_with_current_weights(tmp_path, tiny_model_dir
     assert results[0]["eval_completions/mean_length"] == results[1]["eval_completions/mean_length"]
 
 
-def test_fsdp_and_quantized_models_are_refused_before_loading_anything(tmp_path, tiny_model_dir, monkeypatch):
+def test_fsdp1_and_quantized_models_are_refused_before_loading_anything(tmp_path, tiny_model_dir, monkeypatch):
     from transformers import BitsAndBytesConfig  # bitsandbytes itself is not installed: refused before it is needed
 
-    supported = "Supported: one process, DDP, DeepSpeed ZeRO-2 and ZeRO-3, and LoRA on an unquantized base"
+    supported = "Supported: one process, DDP, DeepSpeed ZeRO-2 and ZeRO-3, FSDP2, and LoRA on an unquantized base"
     common = dict(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=text_dataset())
-    with pytest.raises(NotImplementedError, match=rf"FSDP \(fsdp in the training.*{supported}"):
-        AsyncGRPOTrainer(**common, args=async_args(tmp_path, fsdp=True))  # GRPOTrainer: "only works in distributed"
+    with pytest.raises(NotImplementedError, match=rf"FSDP1 .*fsdp_version: 2 in the accelerate config.*{supported}"):
+        AsyncGRPOTrainer(**common, args=async_args(tmp_path, fsdp=True, fsdp_config={"version": 1}))
     quantized = BitsAndBytesConfig(load_in_4bit=True)
     with pytest.raises(NotImplementedError, match=rf"quantized models \(quantization_config\).*{supported}"):
         AsyncGRPOTrainer(**common, args=async_args(tmp_path), quantization_config=quantized)
     with pytest.raises(NotImplementedError, match=r"quantized models \(quantization_config\)"):
         AsyncGRPOTrainer(**common, args=async_args(tmp_path, model_init_kwargs={"quantization_config": quantized}))
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch` with an FSDP config sets
-    with pytest.raises(NotImplementedError, match="an accelerate FSDP config"):
+    with pytest.raises(NotImplementedError, match="FSDP1 .*accelerate's default where its config names no version"):
+        AsyncGRPOTrainer(**common, args=async_args(tmp_path))  # (no FSDP_VERSION: accelerate's own default, 1)
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(NotImplementedError, match="FSDP1"):
         AsyncGRPOTrainer(**common, args=async_args(tmp_path))
 
 

@@ -24,23 +24,39 @@ from ..rollout.staleness import default_queue_size
 logger = logging.get_logger(__name__)
 
 
+def fsdp_version(args) -> int | None:
+    """The FSDP version this run trains under (``None``: no FSDP): from ``fsdp`` in the training arguments (whose
+    ``fsdp_config`` version defaults to 2, as in transformers) or from ``accelerate launch`` with an FSDP config
+    (``FSDP_VERSION``, 1 when unset, as accelerate sets it)."""
+    if args is not None and getattr(args, "fsdp", None):
+        return int((getattr(args, "fsdp_config", None) or {}).get("version", 2))
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("true", "1"):
+        return int(os.environ.get("FSDP_VERSION", "1"))
+    return None
+
+
+FSDP1 = (
+    "FSDP1 (fsdp_version 1, accelerate's default where its config names no version): the weight sync gathers "
+    "FSDP2's parameters only. Use FSDP2, as TRL and accelerate recommend: fsdp_version: 2 in the accelerate config "
+    '(recipes/accelerate/fsdp2.yaml), or fsdp_config={"version": 2}'
+)
+QUANTIZED = "its rollout workers receive the full, unquantized policy weights after every sync"
+
+
 def unsupported_setup(model, args, quantization_config) -> str | None:
-    """What in GRPOTrainer's arguments the weight sync cannot serve (``None``: nothing), checked before any model is
-    loaded: FSDP (from the config or from ``accelerate launch``) and quantized base models."""
-    if (args is not None and getattr(args, "fsdp", None)) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in (
-        "true",
-        "1",
-    ):
-        return "FSDP (fsdp in the training arguments or an accelerate FSDP config)"
+    """What in GRPOTrainer's arguments the weight sync cannot serve, and why (``None``: nothing), checked before any
+    model is loaded: FSDP1 (FSDP2 is served) and quantized base models."""
+    if fsdp_version(args) == 1:
+        return FSDP1
     init_kwargs = (getattr(args, "model_init_kwargs", None) or {}) if args is not None else {}
     if quantization_config is not None or init_kwargs.get("quantization_config") is not None:
-        return "quantized models (quantization_config)"
+        return f"quantized models (quantization_config): {QUANTIZED}"
     if not isinstance(model, str):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         if getattr(base, "hf_quantizer", None) is not None or any(
             getattr(base, flag, False) for flag in ("is_loaded_in_4bit", "is_loaded_in_8bit")
         ):
-            return "quantized models (the model was loaded quantized)"
+            return f"quantized models (the model was loaded quantized): {QUANTIZED}"
     return None
 
 
@@ -104,9 +120,8 @@ def refuse_before_loading(
     refused = unsupported_setup(model, args, quantization_config)
     if refused:
         raise NotImplementedError(
-            f"AsyncGRPOTrainer does not support {refused}: its rollout workers receive the full, unquantized "
-            "policy weights after every sync. Supported: one process, DDP, DeepSpeed ZeRO-2 and ZeRO-3, and LoRA "
-            "on an unquantized base model. Use trl.GRPOTrainer for this set-up."
+            f"AsyncGRPOTrainer does not support {refused}. Supported: one process, DDP, DeepSpeed ZeRO-2 and ZeRO-3, "
+            "FSDP2, and LoRA on an unquantized base model. Use trl.GRPOTrainer for this set-up."
         )
     if train_dataset is not None and not isinstance(train_dataset, IterableDataset) and len(train_dataset) == 0:
         raise ValueError("train_dataset is empty: AsyncGRPOTrainer needs at least one prompt to generate from.")

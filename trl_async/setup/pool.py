@@ -30,7 +30,7 @@ from ..rollout.rollout_func import RolloutFuncRunner
 from ..rollout.scoring import RewardScorer, group_scorer
 from ..rollout.tool_calls import ToolRunner, split_tools
 from ..weights.lora import adapter_tensors
-from ..weights.policy import policy_specs
+from ..weights.policy import policy_specs, unsharded_class
 
 logger = logging.get_logger(__name__)
 CONTEXT_ESTIMATE = 512  # prompt tokens a continuous-batching worker's KV cache is sized for, per row (rows share it)
@@ -201,7 +201,7 @@ def process_backend(p: PoolInputs) -> ProcessBackend:
     specs = [
         WorkerSpec(
             worker_id=i,
-            model_class=type(base),
+            model_class=unsharded_class(base),
             model_config=base.config,
             dtype=a.resolved_rollout_dtype(
                 next(base.parameters()).dtype, args.bf16, fp16, device_precision(a.rollout_device)

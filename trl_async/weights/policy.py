@@ -36,6 +36,23 @@ class _Unit:
 
 def _full_shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(getattr(t, "ds_shape", t.shape))  # ZeRO-3 partitioned params keep their full shape in ds_shape
+    # (an FSDP2 DTensor's shape is already the full one)
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as one plain tensor: an FSDP2 parameter (a ``DTensor`` sharded across the ranks) is gathered, a collective
+    every rank takes part in; anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def unsharded_class(model: torch.nn.Module) -> type:
+    """The model's own class: FSDP2's ``fully_shard`` swaps it for a class made on the fly (``FSDP<Name>``, which
+    cannot be pickled to a worker process)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
 
 
 def _unit(name: str, tensor: torch.Tensor, params=None, compute=None) -> _Unit:
@@ -271,4 +288,4 @@ def iter_policy_buckets(
         else:
             params = [p for u in bucket for p in u.params]
             with torch.no_grad(), gather_params(params):
-                yield [(u.name, u.compute()) for u in bucket]
+                yield [(u.name, whole(u.compute())) for u in bucket]
