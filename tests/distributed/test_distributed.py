@@ -38,8 +38,9 @@ LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
         ("zero3_offload", []),
         ("fsdp2", ["--fsdp_on_cpu", "--max_staleness", "0"]),
         ("fsdp2", ["--fsdp_on_cpu", "--peft"]),
+        ("fsdp2", ["--fsdp_on_cpu", "--peft", "--lora_sync", "merged"]),
     ],
-    ids=["ddp", "zero2", "zero3", "zero3-lora", "zero3-offload", "fsdp2", "fsdp2-lora"],
+    ids=["ddp", "zero2", "zero3", "zero3-lora", "zero3-offload", "fsdp2", "fsdp2-lora", "fsdp2-lora-merged"],
 )
 def test_two_process_training_syncs_exact_weights(tmp_path, tiny_model_dir, config, extra):
     out = tmp_path / "result.json"
@@ -67,7 +68,11 @@ def test_two_process_training_syncs_exact_weights(tmp_path, tiny_model_dir, conf
     assert len(is_logs[0]) == 3 and "is/kl_behaviour" in is_logs[0][0] and is_logs[0] == is_logs[1]
     if "--max_staleness" in extra:  # 0: the workers sampled with the weights being trained, token for token
         assert all(abs(log[k] - 1) < 1e-3 for log in is_logs[0] for k in ("is/ratio_min", "is/ratio_max")), is_logs[0]
-    if "--peft" in extra:  # adapter-only sync: each version carries the q/v adapters of the 2 layers and their scales
+    if "merged" in extra:  # every version: the merged full weights, gathered and merged per layer on every rank
+        assert not result["adapter_only"] and len(result["per_version"]) == result["expected"]
+    elif (
+        "--peft" in extra
+    ):  # adapter-only sync: each version carries the q/v adapters of the 2 layers and their scales
         assert result["adapter_only"]
         assert len(result["per_version"]) == 2 * 2 * 2 + 1 and all(
             ".lora_A." in n or ".lora_B." in n or n == "lora_scales" for n in result["per_version"]
@@ -170,6 +175,27 @@ def test_a_sharded_reward_model_scores_on_rank_0_without_the_other_rank(tmp_path
         with torch.no_grad():
             expected = rm(**ids).logits[0, 0].item()
         assert row["rewards"]["rm"] == pytest.approx(expected, abs=1e-4)
+
+
+def test_fsdp2_resumes_from_its_checkpoint_with_the_next_prompts_and_exact_weights(tmp_path, tiny_model_dir):
+    """FSDP2 on 2 ranks: a run saves its checkpoint at step 2 and ends; a new trainer resumes from it and trains step
+    3. No prompt is trained twice across the two runs, each step has one group per rank, and the workers end with
+    the consolidated trainer weights."""
+    out = tmp_path / "result.json"
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/accelerate/fsdp2.yaml"),
+        str(ROOT / "tests/distributed/train_and_check.py"), "--model", tiny_model_dir, "--out", str(out),
+        "--fsdp_on_cpu", "--resume",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env={**os.environ, **LAUNCH_ENV})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-20000:]
+    result = json.loads(out.read_text())
+    assert result["steps"] == 3 and result["mismatches"] == [] and result["compared"] >= 20
+    assert (tmp_path / "run" / "checkpoint-2").is_dir()
+    rows = [json.loads(x) for r in (0, 1) for x in (tmp_path / "run" / f"traj.jsonl.rank{r}").read_text().splitlines()]
+    assert sorted({r["step"] for r in rows}) == [0, 1, 2] and len(rows) == 3 * 8  # both runs, both ranks
+    prompts = [r["prompt_index"] for r in rows[::4]]  # one group (4 rows) per rank and step
+    assert len(prompts) == 6 and len(set(prompts)) == 6, prompts
 
 
 def test_a_rank_that_stops_arriving_is_named_not_waited_for_forever(tmp_path, tiny_model_dir):

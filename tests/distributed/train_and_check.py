@@ -27,11 +27,13 @@ def main():
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--peft", action="store_true")
+    parser.add_argument("--lora_sync", default="adapters", help="rollout_lora_sync with --peft")
     parser.add_argument("--use_cpu", action="store_true", help="DDP on CPU: accelerate's MULTI_CPU (gloo)")
     parser.add_argument("--stall_rank1", type=float, default=0.0, help="rank 1 sleeps this long before step 2")
     parser.add_argument("--vllm_url", default=None, help="generate on this vLLM server (weights pushed over gloo)")
     parser.add_argument("--reward_model", default=None, help="also score with this sequence-classification model")
     parser.add_argument("--max_staleness", type=int, default=1)
+    parser.add_argument("--resume", action="store_true", help="save at step 2, then train to the end from there")
     parser.add_argument("--fsdp_on_cpu", action="store_true", help="FSDP on CPU ranks (tests/distributed/fsdp_cpu.py)")
     cli = parser.parse_args()
     if cli.fsdp_on_cpu:
@@ -56,6 +58,7 @@ def main():
         ddp_backend="gloo",
         use_cpu=cli.use_cpu,
         max_staleness=cli.max_staleness,
+        rollout_lora_sync=cli.lora_sync,
         rollout_verify_weights=True,
         weight_sync_bucket_mb=0.05,  # several buckets even for the tiny model
         rollout_trajectory_file="traj.jsonl",  # per rank: rewards and advantages of its rows, checked by the test
@@ -96,12 +99,25 @@ def main():
 
     callbacks.append(KeepPublished())
     reward_funcs = [reward, cli.reward_model] if cli.reward_model else reward
+    resume = None
+    if cli.resume:  # a first run saves its checkpoint at step 2 and ends; the run below resumes from it
+        import copy
+
+        from transformers.trainer_utils import SaveStrategy
+
+        first_args = copy.copy(args)
+        first_args.max_steps, first_args.save_strategy, first_args.save_steps = 2, SaveStrategy.STEPS, 2
+        first = AsyncGRPOTrainer(model=cli.model, reward_funcs=reward_funcs, args=first_args, train_dataset=ds,
+                                 peft_config=peft_config)  # fmt: skip
+        first.train()
+        del first
+        resume = True
     trainer = AsyncGRPOTrainer(
         model=cli.model, reward_funcs=reward_funcs, args=args, train_dataset=ds, peft_config=peft_config,
         callbacks=callbacks,
     )  # fmt: skip
     try:
-        trainer.train()
+        trainer.train(resume_from_checkpoint=resume)
     except RuntimeError as exc:
         if cli.stall_rank1 and trainer.accelerator.is_main_process:
             with open(cli.out, "w") as f:
