@@ -1,6 +1,6 @@
 """Real 2-process training under `accelerate launch` on CPU (gloo): DDP, DeepSpeed ZeRO-2, ZeRO-3, ZeRO-3 + LoRA,
-FSDP2 and FSDP2 + LoRA (TRL's FSDP2 config with 2 processes; accelerate's CPU gate opened by the launched script,
-tests/distributed/fsdp_cpu.py).
+FSDP2 (resumed from a checkpoint on the way) and FSDP2 + LoRA (TRL's FSDP2 config with 2 processes; accelerate's
+CPU gate opened by the launched script, tests/distributed/fsdp_cpu.py).
 
 After training, the workers' weights (the last published version, which is the final trainer state since weights
 are published after every step) must equal the consolidated trainer weights exactly (LoRA: equal to peft's own merge
@@ -36,7 +36,7 @@ LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
         ("zero3", []),
         ("zero3", ["--peft"]),
         ("zero3_offload", []),
-        ("fsdp2", ["--fsdp_on_cpu", "--max_staleness", "0"]),
+        ("fsdp2", ["--fsdp_on_cpu", "--max_staleness", "0", "--resume"]),
         ("fsdp2", ["--fsdp_on_cpu", "--peft"]),
         ("fsdp2", ["--fsdp_on_cpu", "--peft", "--lora_sync", "merged"]),
     ],
@@ -57,6 +57,8 @@ def test_two_process_training_syncs_exact_weights(tmp_path, tiny_model_dir, conf
     if config == "fsdp2":  # every parameter sharded across the two ranks (a DTensor), gathered bucket by bucket
         sharded, params = result["sharded_params"]
         assert result["fsdp_version"] == 2 and sharded == params > 0
+    if "--resume" in extra:  # a first run saved at step 2 and ended; a new trainer resumed from its checkpoint
+        assert (tmp_path / "run" / "checkpoint-2").is_dir()
     assert result["mismatches"] == []
     assert all("inv_freq" in name for name in result["not_compared"])  # non-persistent buffers only
     assert result["compared"] == result["expected"] - len(result["not_compared"]) >= 20
@@ -82,6 +84,8 @@ def test_two_process_training_syncs_exact_weights(tmp_path, tiny_model_dir, conf
     traj = {
         r: [json.loads(x) for x in (tmp_path / "run" / f"traj.jsonl.rank{r}").read_text().splitlines()] for r in (0, 1)
     }
+    prompts = [x["prompt_index"] for r in (0, 1) for x in traj[r][::4]]  # one group of 4 rows per rank and step
+    assert len(prompts) == 6 and len(set(prompts)) == 6, prompts  # none trained twice, across a resume too
     for step in range(3):
         rows = {r: [x for x in traj[r] if x["step"] == step] for r in (0, 1)}
         groups = {r: {x["group_id"] for x in rows[r]} for r in (0, 1)}
@@ -175,27 +179,6 @@ def test_a_sharded_reward_model_scores_on_rank_0_without_the_other_rank(tmp_path
         with torch.no_grad():
             expected = rm(**ids).logits[0, 0].item()
         assert row["rewards"]["rm"] == pytest.approx(expected, abs=1e-4)
-
-
-def test_fsdp2_resumes_from_its_checkpoint_with_the_next_prompts_and_exact_weights(tmp_path, tiny_model_dir):
-    """FSDP2 on 2 ranks: a run saves its checkpoint at step 2 and ends; a new trainer resumes from it and trains step
-    3. No prompt is trained twice across the two runs, each step has one group per rank, and the workers end with
-    the consolidated trainer weights."""
-    out = tmp_path / "result.json"
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/accelerate/fsdp2.yaml"),
-        str(ROOT / "tests/distributed/train_and_check.py"), "--model", tiny_model_dir, "--out", str(out),
-        "--fsdp_on_cpu", "--resume",
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env={**os.environ, **LAUNCH_ENV})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-20000:]
-    result = json.loads(out.read_text())
-    assert result["steps"] == 3 and result["mismatches"] == [] and result["compared"] >= 20
-    assert (tmp_path / "run" / "checkpoint-2").is_dir()
-    rows = [json.loads(x) for r in (0, 1) for x in (tmp_path / "run" / f"traj.jsonl.rank{r}").read_text().splitlines()]
-    assert sorted({r["step"] for r in rows}) == [0, 1, 2] and len(rows) == 3 * 8  # both runs, both ranks
-    prompts = [r["prompt_index"] for r in rows[::4]]  # one group (4 rows) per rank and step
-    assert len(prompts) == 6 and len(set(prompts)) == 6, prompts
 
 
 def test_a_rank_that_stops_arriving_is_named_not_waited_for_forever(tmp_path, tiny_model_dir):
