@@ -571,3 +571,40 @@ def test_a_non_root_trainers_runs_count_their_processes_apart():
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[-1]) == [["started 8\n", [], 0]] * 3
     assert not processes_owned_by(65534)
+
+
+CLOSING_DRIVER = """
+import ctypes, json, os, sys
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: whatever the zygote leaves behind comes here
+from trl_async.sandbox import Sandbox
+left = {}
+for isolation in sys.argv[1:]:
+    for attempt in range(3):
+        sandbox = Sandbox(isolation=isolation)
+        for _ in range(2):
+            assert sandbox.run_python("print('done')").stdout == "done\\n"
+        sandbox.close()
+        try:
+            orphan, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            continue
+        left.setdefault(isolation, []).append(orphan)
+        while True:
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+print(json.dumps(left))
+"""
+
+
+def test_a_closed_sandbox_has_reaped_every_process_of_its_runs():
+    """Once ``close`` returns, the zygote has reaped every launcher it forked and then ended: none is handed to the
+    machine's init, which may never reap it (a zombie of a sandbox uid, left for the life of the machine)."""
+    from trl_async.sandbox.isolation import namespaces_refusal
+
+    isolations = ["rlimits"] + ([] if namespaces_refusal() else ["namespaces"])
+    done = subprocess.run([sys.executable, "-c", CLOSING_DRIVER, *isolations], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {}

@@ -112,7 +112,8 @@ class Sandbox:
             warnings.warn(seccomp_missing(), RuntimeWarning, stacklevel=2)
 
     def close(self) -> None:
-        """Stop this sandbox's zygote (runs in flight go on to their end). A later run starts a new one."""
+        """Stop this sandbox's zygote once it has reaped the processes of every finished run (runs in flight go on to
+        their end). A later run starts a new one."""
         self._zygote.close()
 
     def run_python(

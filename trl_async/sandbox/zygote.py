@@ -9,8 +9,9 @@ For each it forks; with namespaces the child takes fresh mount, PID, network, IP
 so that the run's launcher (``launcher.run``) is PID 1 of its own PID namespace; where the trainer is not root, the
 run also gets a user namespace of its own inside the zygote's.
 
-It writes one byte on the socket once ready, exits when the trainer's end of the socket closes (runs in flight end
-by themselves when their alive pipes close), and reaps every launcher (it is a child subreaper).
+It writes one byte on the socket once ready, and reaps every launcher (it is a child subreaper). When the trainer's
+end of the socket closes it reaps the launchers still on their way out, then exits (runs still in flight end by
+themselves when their alive pipes close).
 """
 
 import marshal
@@ -18,6 +19,7 @@ import os
 import select
 import socket
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import launcher  # noqa: E402
@@ -27,6 +29,7 @@ CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER = 0x20000, 0x4000000, 0x8
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
 RUN_NAMESPACES = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWPID | CLONE_NEWNET
 PR_SET_CHILD_SUBREAPER, PR_SET_DUMPABLE = 36, 4
+LAST_REAP_S = 2.0  # at its end, how long the zygote waits for launchers still running before it leaves them
 
 
 def read_all(fd: int) -> bytes:
@@ -89,6 +92,21 @@ def reap() -> None:
             return
 
 
+def reap_before_leaving(deadline: float) -> None:
+    """Reap every launcher, those of finished runs still on their way out included, until none is left or the
+    deadline passes (a run still in flight then ends by itself when its alive pipe closes). A launcher left
+    unreaped here would go to the machine's init, which may keep it as a zombie for long."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.005)
+
+
 def serve(sock: socket.socket) -> None:
     sock.send(b"r")
     while True:
@@ -99,8 +117,9 @@ def serve(sock: socket.socket) -> None:
         try:
             message, fds, _, _ = socket.recv_fds(sock, 16, 8)
         except OSError:
-            return
+            message, fds = b"", []
         if not message:  # the trainer is gone
+            reap_before_leaving(time.monotonic() + LAST_REAP_S)
             return
         if len(fds) == 5:
             start_run(sock, fds)
