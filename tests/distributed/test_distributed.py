@@ -117,18 +117,23 @@ def test_a_sharded_trainer_pushes_its_gathered_weights_to_a_vllm_server(
     assert result["num_processes"] == 2 and result["steps"] == 3
     assert (result["zero_stage"], result["fsdp_version"]) == {"zero3": (3, None), "fsdp2": (0, 2)}[config]
     assert result["server_version"] == {"0": 3} and result["max_staleness_seen"] <= 1
-    model = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
-    model.load_state_dict(torch.load(tmp_path / "final.pt"))  # strict: the consolidated trainer weights, all of them
-    server = VLLMServer(vllm_server.url)
+    check_the_server_samples_the_trained_weights(vllm_model_dir, tmp_path / "final.pt", vllm_server.url)
+    for r in (0, 1):
+        for row in map(json.loads, (tmp_path / "run" / f"traj.jsonl.rank{r}").read_text().splitlines()):
+            assert row["versions"] and all(row["step"] - 1 <= v <= row["step"] for v in row["versions"])
+
+
+def check_the_server_samples_the_trained_weights(model_dir, final: Path, url: str) -> None:
+    """The server's greedy output is that of the consolidated trainer weights (``final``)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.load_state_dict(torch.load(final))  # strict: the consolidated trainer weights, all of them
+    server = VLLMServer(url)
     for prompt in ([5, 6, 7, 8, 9], [20, 3, 11]):
         expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None)
         got = server.generate(
             prompt, {"n": 1, "max_tokens": 12, "temperature": 0.0, "logprobs": 0, "ignore_eos": True}
         )
         assert list(got[0].token_ids) == expected[0, len(prompt) :].tolist()
-    for r in (0, 1):
-        for row in map(json.loads, (tmp_path / "run" / f"traj.jsonl.rank{r}").read_text().splitlines()):
-            assert row["versions"] and all(row["step"] - 1 <= v <= row["step"] for v in row["versions"])
 
 
 @pytest.mark.parametrize("config,extra", [("zero3", []), ("fsdp2", ["--fsdp_on_cpu"])], ids=["zero3", "fsdp2"])
@@ -194,3 +199,75 @@ def test_a_rank_that_stops_arriving_is_named_not_waited_for_forever(tmp_path, ti
     assert proc.returncode != 0  # failed well before rank 1 woke up (300 s) and before the 300 s test timeout
     error = json.loads(out.read_text())["error"]
     assert "not every rank reached the next rollout batch" in error and "Ranks 1 failed" in error
+
+
+def launch_machines(tmp_path: Path, config: str, model_dir: str, extra: list[str]) -> list[Path]:
+    """Two "machines" on this host, one rank each: two `accelerate launch` commands with ``--num_machines 2``, each
+    writing into a folder of its own (its own disk). Returns each machine's folder."""
+    from trl_async.engines.vllm.weight_push.fan_out import free_port
+
+    port, folders, procs = free_port(), [], []
+    for machine in (0, 1):
+        folders.append(tmp_path / f"machine{machine}")
+        folders[-1].mkdir()
+        cmd = [
+            sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / f"recipes/accelerate/{config}.yaml"),
+            "--num_machines", "2", "--machine_rank", str(machine), "--num_processes", "2",
+            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+            *(["--deepspeed_multinode_launcher", "standard"] if config.startswith("zero") else []),  # torchrun
+            str(ROOT / "tests/distributed/train_and_check.py"), "--model", model_dir,
+            "--out", str(folders[-1] / "result.json"), *extra,
+        ]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env={**os.environ, **LAUNCH_ENV}, start_new_session=True))  # fmt: skip
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=400)[0])
+    finally:
+        for proc in procs:  # torchrun starts each rank in a session of its own: the whole tree goes
+            if proc.poll() is None:
+                import psutil
+
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    child.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+    for machine, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0, f"machine {machine}:\n{output[-20000:]}"
+    return folders
+
+
+@pytest.mark.parametrize("config,extra", [("ddp", ["--use_cpu"]), ("fsdp2", ["--fsdp_on_cpu"])], ids=["ddp", "fsdp2"])
+def test_two_machines_train_with_workers_on_the_global_main_rank_alone(tmp_path, tiny_model_dir, config, extra):
+    """The second machine's rank is its machine's main process but not the global main: it starts no rollout pool
+    (no workers, no scorers), receives its share of each batch, and writes only its own trajectories; the first
+    machine's workers hold the consolidated trainer weights exactly after every sync."""
+    folders = launch_machines(tmp_path, config, tiny_model_dir, extra)
+    places = [json.loads((folders[r] / f"result.json.place.rank{r}").read_text()) for r in (0, 1)]
+    assert places == [{"local_index": 0, "pool": True}, {"local_index": 0, "pool": False}]
+    assert not (folders[1] / "result.json").exists()  # the result (and the weights compared) are rank 0's
+    result = json.loads((folders[0] / "result.json").read_text())
+    assert result["num_processes"] == 2 and result["steps"] == 3 and result["mismatches"] == []
+    assert result["compared"] == result["expected"] - len(result["not_compared"]) >= 20
+    assert result["verified_adoptions"] >= 2 and result["workers_alive"] == [False]
+    assert result["fsdp_version"] == {"ddp": None, "fsdp2": 2}[config]
+    traj = [
+        [json.loads(x) for x in (folders[r] / "run" / f"traj.jsonl.rank{r}").read_text().splitlines()] for r in (0, 1)
+    ]
+    assert [list((folders[r] / "run").iterdir()) for r in (0, 1)] == [
+        [folders[r] / "run" / f"traj.jsonl.rank{r}"] for r in (0, 1)
+    ]  # each machine's disk holds its own rank's trajectories, nothing else
+    prompts = [x["prompt_index"] for rows in traj for x in rows[::4]]  # one group of 4 rows per rank and step
+    assert len(prompts) == 6 and len(set(prompts)) == 6, prompts
+
+
+def test_two_machines_push_to_a_vllm_server_from_the_global_main_rank(tmp_path, vllm_model_dir, vllm_server):
+    """ZeRO-3 across two "machines": both ranks gather each bucket, the first machine's rank pushes it to the server,
+    which then samples exactly as the consolidated trainer weights do."""
+    folders = launch_machines(tmp_path, "zero3", vllm_model_dir, ["--vllm_url", vllm_server.url])
+    result = json.loads((folders[0] / "result.json").read_text())
+    assert result["zero_stage"] == 3 and result["server_version"] == {"0": 3}
+    places = [json.loads((folders[r] / f"result.json.place.rank{r}").read_text()) for r in (0, 1)]
+    assert [p["pool"] for p in places] == [True, False]
+    check_the_server_samples_the_trained_weights(vllm_model_dir, folders[0] / "final.pt", vllm_server.url)

@@ -128,6 +128,9 @@ def main():
     is_logs = [{k: v for k, v in h.items() if k.startswith("is/")} for h in trainer.state.log_history]
     with open(f"{cli.out}.is.rank{trainer.accelerator.process_index}", "w") as f:
         json.dump([h for h in is_logs if h], f)
+    with open(f"{cli.out}.place.rank{trainer.accelerator.process_index}", "w") as f:  # where the rollout pool ran
+        local = trainer.accelerator.local_process_index
+        json.dump({"local_index": local, "pool": trainer.last_rollout_pool is not None}, f)
     full = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # collective: every rank calls it
     if trainer.accelerator.is_main_process:
         if cli.peft:  # independent reference: peft's own merge of a CPU copy holding the consolidated weights

@@ -40,7 +40,11 @@ FSDP1 = (
     "FSDP2's parameters only. Use FSDP2, as TRL and accelerate recommend: fsdp_version: 2 in the accelerate config "
     '(recipes/accelerate/fsdp2.yaml), or fsdp_config={"version": 2}'
 )
-QUANTIZED = "its rollout workers receive the full, unquantized policy weights after every sync"
+QUANTIZED = (
+    "its rollout workers receive the full, unquantized policy weights after every sync. Instead, train LoRA on the "
+    "unquantized (e.g. bfloat16) base: with rollout_lora_sync='adapters' (the default) the workers receive the base "
+    "once and then only the adapters"
+)
 
 
 def unsupported_setup(model, args, quantization_config) -> str | None:
@@ -115,7 +119,8 @@ def refuse_before_loading(
     if rollout_func is not None and (tools or environment_factory is not None):
         raise NotImplementedError(
             "AsyncGRPOTrainer runs `rollout_func` without `tools`/`environment_factory`: a rollout_func owns its "
-            "whole rollout, so call your tools or environment inside it (trl_async/rollout/rollout_func.py)."
+            "whole rollout, so call your tools or environment inside it (docs/agents.md, `rollout_func`), or drop "
+            "`rollout_func` and let the trainer run `tools`/`environment_factory` itself."
         )
     refused = unsupported_setup(model, args, quantization_config)
     if refused:
