@@ -1,5 +1,6 @@
 """Real 2-process training under `accelerate launch` on CPU (gloo): DDP, DeepSpeed ZeRO-2, ZeRO-3, ZeRO-3 + LoRA,
-FSDP2 (resumed from a checkpoint on the way) and FSDP2 + LoRA (TRL's FSDP2 config with 2 processes; accelerate's
+FSDP2 (resumed from a checkpoint on the way, then GRPOTrainer itself trained in the same launch as the control) and
+FSDP2 + LoRA (TRL's FSDP2 config with 2 processes; accelerate's
 CPU gate opened by the launched script, tests/distributed/fsdp_cpu.py).
 
 After training, the workers' weights (the last published version, which is the final trainer state since weights
@@ -36,7 +37,7 @@ LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
         ("zero3", []),
         ("zero3", ["--peft"]),
         ("zero3_offload", []),
-        ("fsdp2", ["--fsdp_on_cpu", "--max_staleness", "0", "--resume"]),
+        ("fsdp2", ["--fsdp_on_cpu", "--max_staleness", "0", "--resume", "--control"]),
         ("fsdp2", ["--fsdp_on_cpu", "--peft"]),
         ("fsdp2", ["--fsdp_on_cpu", "--peft", "--lora_sync", "merged"]),
     ],
@@ -57,6 +58,10 @@ def test_two_process_training_syncs_exact_weights(tmp_path, tiny_model_dir, conf
     if config == "fsdp2":  # every parameter sharded across the two ranks (a DTensor), gathered bucket by bucket
         sharded, params = result["sharded_params"]
         assert result["fsdp_version"] == 2 and sharded == params > 0
+    if "--control" in extra:  # GRPOTrainer itself trains in this launch: every parameter sharded, and moved
+        control = result["control"]
+        assert control["steps"] == 2 and control["sharded"] == control["params"] > 0, control
+        assert control["changed"] >= control["params"], control  # (a tied output layer counts as its own entry)
     if "--resume" in extra:  # a first run saved at step 2 and ended; a new trainer resumed from its checkpoint
         assert (tmp_path / "run" / "checkpoint-2").is_dir()
     assert result["mismatches"] == []

@@ -35,6 +35,7 @@ def main():
     parser.add_argument("--max_staleness", type=int, default=1)
     parser.add_argument("--resume", action="store_true", help="save at step 2, then train to the end from there")
     parser.add_argument("--fsdp_on_cpu", action="store_true", help="FSDP on CPU ranks (tests/distributed/fsdp_cpu.py)")
+    parser.add_argument("--control", action="store_true", help="then GRPOTrainer itself, in the same launch")
     cli = parser.parse_args()
     if cli.fsdp_on_cpu:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -43,7 +44,7 @@ def main():
         let_fsdp_run_on_cpu()
         cli.use_cpu = True  # CPU ranks over gloo, FSDP2 on them
     torch.set_num_threads(1)
-    args = AsyncGRPOConfig(
+    grpo_fields = dict(
         output_dir=os.path.join(os.path.dirname(cli.out), "run"),
         max_steps=3,
         per_device_train_batch_size=4,
@@ -57,6 +58,9 @@ def main():
         save_strategy="no",
         ddp_backend="gloo",
         use_cpu=cli.use_cpu,
+    )
+    args = AsyncGRPOConfig(
+        **grpo_fields,
         max_staleness=cli.max_staleness,
         rollout_lora_sync=cli.lora_sync,
         rollout_verify_weights=True,
@@ -180,6 +184,32 @@ def main():
         with open(cli.out, "w") as f:
             json.dump(result, f)
     trainer.accelerator.wait_for_everyone()
+    if cli.control:
+        control = grpo_trainer_control(grpo_fields, cli.model, ds)
+        if trainer.accelerator.is_main_process:
+            with open(cli.out) as f:
+                result = json.load(f)
+            with open(cli.out, "w") as f:
+                json.dump({**result, "control": control}, f)
+
+
+def grpo_trainer_control(grpo_fields: dict, model: str, dataset) -> dict:
+    """GRPOTrainer itself under the same launch and GRPO configuration (2 steps): a set-up TRL trains in."""
+    from torch.distributed.tensor import DTensor
+    from trl import GRPOConfig, GRPOTrainer
+
+    output_dir = os.path.join(os.path.dirname(grpo_fields["output_dir"]), "control")
+    grpo_args = GRPOConfig(**{**grpo_fields, "max_steps": 2, "output_dir": output_dir})
+    control = GRPOTrainer(model=model, reward_funcs=reward, args=grpo_args, train_dataset=dataset)
+    control.train()
+    params = list(control.model_wrapped.parameters())
+    trained = control.accelerator.get_state_dict(control.model_wrapped)  # collective: every rank calls it
+    from transformers import AutoModelForCausalLM
+
+    initial = AutoModelForCausalLM.from_pretrained(model).state_dict()
+    changed = sum(not torch.equal(trained[n], initial[n]) for n in trained if n in initial)
+    return {"steps": control.state.global_step, "sharded": sum(isinstance(p, DTensor) for p in params),
+            "params": len(params), "changed": changed}  # fmt: skip
 
 
 def run_facts(trainer) -> dict:
