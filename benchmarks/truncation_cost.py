@@ -18,7 +18,6 @@ per batch. Writes results/truncation_cost.{json,png} and its table in RESULTS.md
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import time
@@ -77,7 +76,9 @@ def main() -> None:
         def run():
             model.eval()
             with torch.no_grad():
-                proximal_logps(model, ids, mask, cli.prompt, settings, 1.0, cli.rows, contextlib.nullcontext)
+                steps = ids.size(1) - cli.prompt
+                logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=steps + 1, use_cache=False).logits
+                proximal_logps([(ids, mask, logits)], cli.prompt, settings, 1.0)
 
         return run
 

@@ -27,6 +27,9 @@ class RolloutTask:
     contexts: tuple[tuple[int, ...], ...] = ()
     rows: tuple[int, ...] = ()
     max_new_tokens: int = 0  # 0: the generation config's
+    # a vision-language prompt: the processor's other outputs for it (``pixel_values``, ``image_sizes``, ...), one
+    # entry per image along the first dimension (numpy arrays); empty for text prompts
+    images: dict = field(default_factory=dict)
 
     @property
     def key(self) -> tuple[int, tuple[int, ...]]:

@@ -67,7 +67,7 @@ def make_pool(
     published = [(n, p) for n, p in model.named_parameters() if publish_only(n)]
     weight_specs = {n: (tuple(p.shape), p.dtype) for n, p in published}
     backend = ProcessBackend(specs, weight_specs, settings.groups_per_call)
-    pool = RolloutPool(backend, settings, prompts, lambda i: {}, lambda i, row: (5, 6, 7 + i), score).start()
+    pool = RolloutPool(backend, settings, prompts, lambda i: {}, lambda i, row: ((5, 6, 7 + i), {}), score).start()
     pool.publish([published], 0, Digest())
     return pool, model
 

@@ -83,11 +83,11 @@ def test_a_dataset_with_a_random_transform_scores_and_trains_the_reading_that_wa
 
 
 def test_the_pools_rendering_of_a_prompt_is_grpo_trainers(tmp_path, tiny_model_dir, tool_model_dir):
-    """The pool renders each prompt once (setup.pool.make_tokenize_row) and GRPOTrainer trains on that rendering, so it
+    """The pool renders each prompt once (setup.rendering.make_tokenize_row) and GRPOTrainer trains on that rendering, so it
     must be GRPOTrainer's own: plain text, messages, with chat_template_kwargs, with tools."""
     from trl import GRPOTrainer
 
-    from trl_async.setup.pool import make_tokenize_row
+    from trl_async.setup.rendering import make_tokenize_row
     from trl_async.setup.trainer_view import pool_inputs
 
     from ..tool_model import multiply
@@ -107,7 +107,7 @@ def test_the_pools_rendering_of_a_prompt_is_grpo_trainers(tmp_path, tiny_model_d
         args = async_args(tmp_path, max_steps=1, **extra)
         trainer = AsyncGRPOTrainer(model=model, reward_funcs=_count_reward, args=args, train_dataset=ds,
                                    processing_class=processing_class, tools=tools)  # fmt: skip
-        ours = make_tokenize_row(pool_inputs(trainer))(0, ds[0])
+        ours, _ = make_tokenize_row(pool_inputs(trainer))(0, ds[0])
         theirs = GRPOTrainer._tokenize_prompts(trainer, [ds[0]["prompt"]])[0][0]
         decode = trainer.processing_class.decode
         assert list(ours) == list(theirs), (extra, tools, decode(ours), decode(theirs))

@@ -136,7 +136,7 @@ def make_pool(backend, max_staleness, groups_per_batch=2, queue_size=None, max_r
     )  # fmt: skip
     prompts = PromptStream(rows, groups_per_batch, shuffle=False, seed=0)
     score = lambda g, row, environments=None: ScoredGroup(g, rewards=torch.zeros(G, 1))  # noqa: E731
-    return RolloutPool(backend, settings, prompts, lambda i: {"i": i}, lambda i, row: (1, 2, i), score).start()
+    return RolloutPool(backend, settings, prompts, lambda i: {"i": i}, lambda i, row: ((1, 2, i), {}), score).start()
 
 
 def test_a_pool_starts_nothing_until_started():
@@ -145,7 +145,9 @@ def test_a_pool_starts_nothing_until_started():
                             start_version=0, num_generations=G)  # fmt: skip
     prompts = PromptStream(16, 2, shuffle=False, seed=0)
     before = set(threading.enumerate())
-    pool = RolloutPool(backend, settings, prompts, lambda i: {}, lambda i, row: (1,), lambda g, row, e=None: None)
+    pool = RolloutPool(
+        backend, settings, prompts, lambda i: {}, lambda i, row: ((1,), {}), lambda g, row, e=None: None
+    )
     assert backend.started == [] and pool.lanes.current == [] and set(threading.enumerate()) <= before
     pool.start()
     try:

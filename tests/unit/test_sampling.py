@@ -81,6 +81,22 @@ def test_min_new_tokens_holds_the_stop_token_back_in_each_turn():
     assert settings_of("vllm", {"min_tokens": 2, "stop_token_ids": [4]}).stop_ids == (4,)
 
 
+def test_a_suppressed_token_is_never_sampled_and_the_rest_renormalise():
+    """suppress_tokens (0,) removes p 0.5 at every step: token 1 then has 0.3 / 0.5, token 2 0.2 / 0.5, and top-k 1
+    keeps token 1 alone. Only transformers' GenerationConfig has the field (GRPOTrainer sets it for a VLM's image
+    token)."""
+    settings = SamplingSettings(engine="transformers", suppressed=(0,))
+    got = processed_logps(LOGITS.expand(3, 3), torch.tensor([2]), torch.tensor([1, 2, 0]), processors(settings),
+                          settings)  # fmt: skip
+    assert got.tolist() == pytest.approx([math.log(0.6), math.log(0.4), -INF])
+    top1 = SamplingSettings(engine="transformers", top_k=1, suppressed=(0,))
+    assert processed_logps(LOGITS[None], torch.tensor([2]), torch.tensor([1]), processors(top1), top1).item() == 0
+    hf = settings_of("transformers", {"suppress_tokens": [7]})
+    assert (hf.suppressed, hf.reshapes) == ((7,), True)
+    assert settings_of("vllm", {"suppress_tokens": [7]}).suppressed == ()
+    assert unreproduced_settings("transformers", {"suppress_tokens": [7]}) == []
+
+
 def test_context_rows_hold_what_each_step_had_seen_and_an_id_past_the_vocabulary_elsewhere():
     got = context_ids(torch.tensor([7, 8]), torch.tensor([4, 5, 6]), vocab_size=9)
     assert got.tolist() == [[7, 8, 9, 9, 9], [7, 8, 4, 9, 9], [7, 8, 4, 5, 9]]

@@ -279,7 +279,7 @@ def _pool_over(stubs, queue_size, timeout_s=30.0):
         settings,
         prompts,
         lambda i: {},
-        lambda i, row: (5, 6, 7),
+        lambda i, row: ((5, 6, 7), {}),
         lambda g, row, environments=None: ScoredGroup(g, rewards=torch.zeros(2, 1)),
     ).start()
     pool.publish([], version=0)

@@ -1,7 +1,7 @@
 """The distribution a rollout engine samples each token from, built once and applied on both sides of the ratio.
 
-A worker samples token ``a`` from the *processed* distribution: the raw logits, the stop tokens held back before
-``min_new_tokens``, the repetition penalty, temperature, then the truncations (top-k, top-p, min-p, and on the
+A worker samples token ``a`` from the *processed* distribution: the raw logits, ``suppress_tokens`` removed (a
+vision-language model's image token), the stop tokens held back before ``min_new_tokens``, the repetition penalty, temperature, then the truncations (top-k, top-p, min-p, and on the
 transformers workers top-h, typical-p, epsilon and eta), renormalised over the tokens kept. Its log-prob there is mu.
 The importance ratio compares mu with the trainer's policy at the consumed version processed *the same way*
 (``processed_logps``), so at staleness 0 the ratio is 1 whatever the sampler, and at staleness k it corrects towards the
@@ -41,7 +41,6 @@ UNREPRODUCED = {
         "encoder_no_repeat_ngram_size",
         "bad_words_ids",
         "sequence_bias",
-        "suppress_tokens",
         "begin_suppress_tokens",
         "min_length",
         "forced_eos_token_id",
@@ -82,6 +81,7 @@ class SamplingSettings:
     extra_warpers: tuple[tuple[str, float], ...] = ()  # transformers engine only: EXTRA_TRANSFORMERS_WARPERS set
     min_new_tokens: int = 0  # transformers' min_new_tokens, vLLM's min_tokens: no stop token before this many
     stop_ids: tuple[int, ...] = ()  # the tokens min_new_tokens holds back (EOS ids)
+    suppressed: tuple[int, ...] = ()  # transformers' suppress_tokens: never sampled (a VLM's image token)
 
     def differs_from(self, loss_temperature: float) -> bool:
         """Whether the engine samples from anything but ``softmax(logits / loss_temperature)``, the distribution
@@ -98,6 +98,7 @@ class SamplingSettings:
             or self.repetition_penalty != 1.0
             or bool(self.extra_warpers)
             or self.min_new_tokens > 0
+            or bool(self.suppressed)
         )
 
 
@@ -128,6 +129,7 @@ def settings_of(engine: str, params: Mapping) -> SamplingSettings:
         extra_warpers=extra,
         min_new_tokens=int(_number(params.get("min_new_tokens" if engine == "transformers" else "min_tokens"), 0)),
         stop_ids=_ids(params.get("eos_token_id" if engine == "transformers" else "stop_token_ids")),
+        suppressed=_ids(params.get("suppress_tokens")) if engine == "transformers" else (),
     )
 
 
@@ -218,6 +220,8 @@ def processed_logps(
         stop = torch.zeros(vocab, dtype=torch.bool, device=logits_TV.device)
         stop[[i for i in settings.stop_ids if i < vocab]] = True
         logits_TV = logits_TV.masked_fill(early.unsqueeze(1) & stop.unsqueeze(0), -torch.inf)
+    if settings is not None and settings.suppressed:  # as transformers' SuppressTokensLogitsProcessor, every step
+        logits_TV = logits_TV.index_fill(-1, torch.tensor(settings.suppressed, device=logits_TV.device), -torch.inf)
     scores = chain(history, logits_TV)
     return torch.log_softmax(scores, dim=-1).gather(-1, completion_ids.view(-1, 1).to(logits_TV.device)).squeeze(-1)
 
@@ -229,34 +233,29 @@ def unreproduced_settings(engine: str, generation_kwargs: Mapping | None) -> lis
 
 
 def proximal_logps(
-    model,
-    input_ids,
-    attention_mask,
+    chunks,
     prompt_width: int,
     settings: SamplingSettings,
     temperature: float,
-    batch_size: int,
-    autocast,
     sampled: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log pi, log pi processed)`` of the completion tokens (``input_ids[:, prompt_width:]``) under ``model``, in
-    chunks of ``batch_size`` rows: the softmax at ``temperature``, as GRPOTrainer's loss computes it, and the
-    distribution the engine samples from (``processed_logps``; ``sampled``: GRPOTrainer's ``tool_mask``, 1 where
-    the engine sampled the token). One forward pass serves both."""
-    steps = input_ids.size(1) - prompt_width
-    chain = processors(settings, input_ids.device)
-    full, processed = [], []
-    for start in range(0, input_ids.size(0), batch_size):
-        ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
-        with autocast():
-            logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=steps + 1, use_cache=False).logits
+    """``(log pi, log pi processed)`` of the completion tokens (``input_ids[:, prompt_width:]``), from ``chunks``: the
+    ``(input_ids, attention_mask, logits)`` of each forward chunk, in row order, with the logits of the last
+    ``steps + 1`` positions. The softmax at ``temperature``, as GRPOTrainer's loss computes it, and the distribution
+    the engine samples from (``processed_logps``; ``sampled``: GRPOTrainer's ``tool_mask``, 1 where the engine
+    sampled the token). One forward pass serves both."""
+    chain, full, processed, row0 = None, [], [], 0
+    for ids, mask, logits in chunks:
+        steps = ids.size(1) - prompt_width
+        chain = chain if chain is not None else processors(settings, ids.device)
         logits = logits[:, -steps - 1 : -1].float()  # the logits that predicted each completion token
         completion = ids[:, prompt_width:]
         full.append(torch.log_softmax(logits / temperature, -1).gather(-1, completion.unsqueeze(-1))[..., 0])
         for row in range(ids.size(0)):
             prompt = ids[row, :prompt_width][mask[row, :prompt_width].bool()]
-            marks = None if sampled is None else sampled[start + row].cpu()
+            marks = None if sampled is None else sampled[row0 + row].cpu()
             processed.append(processed_logps(logits[row], prompt, completion[row], chain, settings, marks))
+        row0 += ids.size(0)
     return torch.cat(full), torch.stack(processed)
 
 

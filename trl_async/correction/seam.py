@@ -4,12 +4,18 @@ functions (``importance.py``), and the processed distribution the ratio compares
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from trl.models.utils import disable_gradient_checkpointing
 
 from .attributes import swapped
 from .importance import off_policy_correction, stats_across_ranks
 from .sampling import proximal_logps
+
+# the image inputs GRPOTrainer's generation output carries and its forward takes (its ``_compute_loss`` passes these)
+MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+                     "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")  # fmt: skip
 
 
 class CorrectionSeam:
@@ -81,27 +87,32 @@ class CorrectionSeam:
         """``(log pi_prox, log pi_prox processed)`` of the completion tokens under the trainer's current weights: the
         softmax at the sampling temperature (``old_per_token_logps``), and the distribution the rollout engine
         samples from (``sampling.py``), which the staleness weight compares with mu. Without truncation or penalty
-        the two are the same, from GRPOTrainer's own forward."""
+        the two are the same, from GRPOTrainer's own forward. Either way the forward is GRPOTrainer's, with its
+        handling of a vision-language batch's image inputs (``MULTIMODAL_INPUTS``)."""
         prompt_completion_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        batch_size = self.args.per_device_train_batch_size
+        steps, batch_size = output["completion_ids"].size(1), self.args.per_device_train_batch_size
+        images = {key: output[key] for key in MULTIMODAL_INPUTS if output.get(key) is not None}
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             if not self._sampling_differs or self.args.cast_lm_head_to_fp32:  # GRPOTrainer's own (fused) forward
                 logps, _ = self._get_per_token_logps_and_entropies(
-                    self.model, prompt_completion_ids, attention_mask, output["completion_ids"].size(1), batch_size
+                    self.model, prompt_completion_ids, attention_mask, steps, batch_size, **images
                 )[:2]
                 if not self._sampling_differs:
                     return logps, logps
+            chunks = []  # GRPOTrainer's chunking and image slicing, with the model's raw logits kept
+
+            def logits_of(**inputs):
+                inputs.pop("labels"), inputs.pop("fused_lm_head")
+                logits = self.model(**inputs, logits_to_keep=steps + 1, use_cache=False).logits
+                chunks.append((inputs["input_ids"], inputs["attention_mask"], logits))
+                return SimpleNamespace(log_probs=logits.new_zeros(inputs["input_ids"].shape))
+
+            self._get_per_token_logps_and_entropies(
+                logits_of, prompt_completion_ids, attention_mask, steps, batch_size, **images
+            )
             full, processed = proximal_logps(
-                self.model,
-                prompt_completion_ids,
-                attention_mask,
-                output["prompt_ids"].size(1),
-                self._sampling,
-                self.temperature,
-                batch_size,
-                self.accelerator.autocast,
-                output.get("tool_mask"),
+                chunks, output["prompt_ids"].size(1), self._sampling, self.temperature, output.get("tool_mask")
             )
         # with an fp32 LM head the loss's log-probs are the fused forward's: the clipped ratio starts at 1 with those
         return (logps if self.args.cast_lm_head_to_fp32 else full), processed

@@ -65,7 +65,7 @@ class RolloutPool(PoolReadouts):
         settings: PoolSettings,
         prompts: PromptStream,
         read_row: Callable[[int], dict],
-        tokenize_row: Callable[[int, dict], tuple[int, ...]],
+        tokenize_row: Callable[[int, dict], tuple[tuple[int, ...], dict]],
         score_group: Callable[[RolloutGroup, dict, list | None], ScoredGroup],
         episodes: Callable[..., GroupRunner] | None = None,
         keep: Callable[[torch.Tensor], bool] | None = None,
@@ -327,8 +327,8 @@ class RolloutPool(PoolReadouts):
                         self._positions[self._next_group_id] = position
                         row = self._rows[self._next_group_id] = self._read_row(index)
                         # environments: the runner renders each episode's prompt itself
-                        prompt_ids = () if starts else self._tokenize_row(index, row)
-                        chunk.append(RolloutTask(self._next_group_id, index, prompt_ids, version))
+                        prompt_ids, images = ((), {}) if starts else self._tokenize_row(index, row)
+                        chunk.append(RolloutTask(self._next_group_id, index, prompt_ids, version, images=images))
                         self._next_group_id += 1
                     if starts:  # environments: reset first; the first turn then comes back as a later turn
                         for task in chunk:

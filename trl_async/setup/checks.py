@@ -151,12 +151,28 @@ class Loaded:
     tools: list
     num_iterations: int
     is_vlm: bool
+    episodes: bool  # environment_factory or rollout_func
+
+
+def check_vision_language(setup: Loaded) -> None:
+    """A vision-language model trains single-turn, on transformers workers (which GRPOTrainer's own refusal of
+    continuous batching for multimodal models leaves in static batches)."""
+    if setup.async_args.rollout_backend != "transformers":
+        refused = "vLLM servers (use rollout_backend='transformers', or trl.GRPOTrainer with vLLM)"
+    elif setup.tools or setup.episodes:
+        refused = "multi-turn episodes (tools, environment_factory) or a rollout_func (use trl.GRPOTrainer)"
+    else:
+        return
+    raise NotImplementedError(
+        f"AsyncGRPOTrainer trains vision-language models (image prompts) on transformers workers, one turn per "
+        f"prompt; not with {refused}."
+    )
 
 
 def check_after_loading(setup: Loaded) -> None:
     """What can only be checked once GRPOTrainer has set the trainer up (its model, tokenizer and arguments)."""
     if setup.is_vlm:
-        raise NotImplementedError("AsyncGRPOTrainer does not support vision-language models (image inputs) yet.")
+        check_vision_language(setup)
     if setup.async_args.rollout_backend == "transformers":  # the config the workers get (a plain GRPOConfig too)
         refused = refused_generation(setup.generation_config)
         if refused is not None:

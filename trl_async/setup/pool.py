@@ -14,7 +14,6 @@ from typing import Any
 
 from accelerate.utils import is_peft_model
 from transformers.utils import logging
-from trl.data_utils import is_conversational
 
 from ..correction.sampling import SamplingSettings, settings_of
 from ..engines.transformers.continuous import continuous_slots
@@ -31,6 +30,7 @@ from ..rollout.scoring import RewardScorer, group_scorer
 from ..rollout.tool_calls import ToolRunner, split_tools
 from ..weights.lora import adapter_tensors
 from ..weights.policy import policy_specs, unsharded_class
+from .rendering import make_tokenize_row
 
 logger = logging.get_logger(__name__)
 CONTEXT_ESTIMATE = 512  # prompt tokens a continuous-batching worker's KV cache is sized for, per row (rows share it)
@@ -361,50 +361,6 @@ def _vllm_backend(p: PoolInputs, urls: list[str], owned: list):
         else None,
         down_limit_s=a.rollout_vllm_down_limit_s,
     )
-
-
-def make_tokenize_row(p: PoolInputs):
-    tokenizer = copy.deepcopy(p.processing_class)
-    chat_template, template_kwargs = p.chat_template, p.chat_template_kwargs
-    tools = list(p.tools or []) or None  # as GRPOTrainer._tokenize_prompts renders them
-    limit = getattr(p.model.config, "max_position_embeddings", None)
-    vocab = getattr(p.model.config, "vocab_size", None)
-    completion = p.sampling.max_completion_length
-
-    def tokenize_row(index: int, row: dict) -> tuple[int, ...]:
-        ids = _tokenize(row["prompt"])
-        past = [t for t in ids if vocab is not None and t >= vocab]
-        if past:
-            raise ValueError(
-                f"train_dataset row {index}: the prompt has token id {past[0]} "
-                f"({tokenizer.convert_ids_to_tokens(past[0])!r}), past the model's vocabulary of {vocab}. Remove "
-                "it from the data, or call model.resize_token_embeddings(len(tokenizer)) before building the "
-                "trainer."
-            )
-        if limit is not None and len(ids) + completion > limit:
-            # checked as each prompt is first used (tokenizing a whole dataset up front would be slow)
-            raise ValueError(
-                f"train_dataset row {index}: the prompt is {len(ids)} tokens, and with max_completion_length="
-                f"{completion} that exceeds the model's max_position_embeddings={limit}. Filter long prompts "
-                "out of the dataset or lower max_completion_length."
-            )
-        return ids
-
-    def _tokenize(prompt) -> tuple[int, ...]:
-        if is_conversational({"prompt": prompt}):
-            out = tokenizer.apply_chat_template(
-                conversation=[prompt],
-                tools=tools,
-                chat_template=chat_template,
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-                **template_kwargs,
-            )
-            return tuple(out["input_ids"][0])
-        return tuple(tokenizer(text=[prompt])["input_ids"][0])
-
-    return tokenize_row
 
 
 def make_score_group(p: PoolInputs) -> tuple:

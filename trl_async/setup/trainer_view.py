@@ -29,6 +29,7 @@ def loaded(trainer) -> Loaded:
         tools=list(trainer.tools or []),
         num_iterations=trainer.num_iterations,
         is_vlm=trainer._is_vlm,
+        episodes=trainer.environment_factories is not None or trainer.rollout_func is not None,
     )
 
 

@@ -84,6 +84,7 @@ def generate_groups(
     row_budget = [b for b, task_rows in zip(budgets, per_task, strict=True) for _ in task_rows]
     input_ids, attention_mask = left_padded(rows, pad_token_id)
     width = input_ids.size(1)
+    image_inputs = batched_images(tasks, [len(task_rows) for task_rows in per_task], device)
 
     # beam search is not a sampling policy: its tokens have no behaviour log-prob (mu is NaN: they train uncorrected,
     # as with GRPOTrainer's own generation), and the weights stay those of the call's start (beams are reordered
@@ -105,6 +106,7 @@ def generate_groups(
             attention_mask=attention_mask.to(device),
             generation_config=config,
             logits_processor=LogitsProcessorList([hook] if hook is not None else []),
+            **image_inputs,
         )
         if hook is not None:
             hook.take_sampled(sequences[:, -1])
@@ -153,6 +155,24 @@ def generate_groups(
             )
         )
     return groups
+
+
+def batched_images(tasks: Sequence[RolloutTask], rows_per_task: Sequence[int], device) -> dict:
+    """The image inputs of a batch whose rows are each task's prompt ``rows_per_task`` times: every field of the
+    tasks' ``images`` (one entry per image along the first dimension) repeated per row, in row order, as a
+    vision-language model's forward matches images to the image tokens of its rows in order."""
+    keys = {key for task in tasks for key in task.images}
+    return {
+        key: torch.cat(
+            [
+                torch.as_tensor(task.images[key])
+                for task, n in zip(tasks, rows_per_task, strict=True)
+                if key in task.images
+                for _ in range(n)
+            ]  # fmt: skip
+        ).to(device)
+        for key in sorted(keys)
+    }
 
 
 def build_policy_copy(spec: WorkerSpec) -> torch.nn.Module:
