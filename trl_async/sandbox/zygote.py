@@ -82,20 +82,11 @@ def report_setup_error(status_fd: int, exc: BaseException) -> None:
         pass
 
 
-def reap() -> None:
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-
-
-def reap_before_leaving(deadline: float) -> None:
-    """Reap every launcher, those of finished runs still on their way out included, until none is left or the
-    deadline passes (a run still in flight then ends by itself when its alive pipe closes). A launcher left
-    unreaped here would go to the machine's init, which may keep it as a zombie for long."""
+def reap(deadline: float = 0.0) -> None:
+    """Reap every launcher that has ended, and wait for those still running until ``deadline`` (default: none).
+    Before the zygote leaves, this reaps the launchers of finished runs still on their way out (a run still in
+    flight at the deadline ends by itself when its alive pipe closes): a launcher left unreaped would go to the
+    machine's init, which may keep it as a zombie for long."""
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -119,7 +110,7 @@ def serve(sock: socket.socket) -> None:
         except OSError:
             message, fds = b"", []
         if not message:  # the trainer is gone
-            reap_before_leaving(time.monotonic() + LAST_REAP_S)
+            reap(time.monotonic() + LAST_REAP_S)
             return
         if len(fds) == 5:
             start_run(sock, fds)
