@@ -78,7 +78,7 @@ def main() -> None:
             with torch.no_grad():
                 steps = ids.size(1) - cli.prompt
                 logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=steps + 1, use_cache=False).logits
-                proximal_logps([(ids, mask, logits)], cli.prompt, settings, 1.0)
+                proximal_logps(ids, mask, logits, cli.prompt, settings, 1.0)
 
         return run
 

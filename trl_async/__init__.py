@@ -4,7 +4,8 @@ correction). ``from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer``.
 The package's names are loaded on first use: a rollout worker process imports ``trl_async.engines.transformers.worker``,
 which needs torch and transformers only, and importing the package eagerly would pull in TRL, peft and the trainer
 (seconds per worker start). Besides the trainer and its config it exports the errors a run can raise to the caller
-and the progress callback the trainer installs; the sandbox, the code-execution reward and the Python tool are in
+and the progress callback the trainer installs; agents trained through an OpenAI-compatible endpoint are in
+``trl_async.agents``; the sandbox, the code-execution reward and the Python tool are in
 ``trl_async.sandbox``."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     from .engines.vllm.client import VLLMServerError
     from .reporting.progress import AsyncProgressCallback
     from .rollout.lanes import RolloutLaneError
+    from .rollout.rollout_func import GroupAbandoned
     from .rollout.scoring import RewardFunctionError
     from .sandbox import SandboxError, SandboxUnavailable
     from .trainer import AsyncGRPOTrainer
@@ -25,6 +27,7 @@ __all__ = [
     "AsyncGRPOConfig",
     "AsyncGRPOTrainer",
     "AsyncProgressCallback",
+    "GroupAbandoned",
     "RewardFunctionError",
     "RolloutLaneError",
     "SandboxError",
@@ -36,6 +39,7 @@ _LAZY = {
     "AsyncGRPOConfig": ".config",
     "AsyncGRPOTrainer": ".trainer",
     "AsyncProgressCallback": ".reporting.progress",
+    "GroupAbandoned": ".rollout.rollout_func",
     "RewardFunctionError": ".rollout.scoring",
     "RolloutLaneError": ".rollout.lanes",
     "SandboxError": ".sandbox",

@@ -29,7 +29,7 @@ class RolloutTask:
     max_new_tokens: int = 0  # 0: the generation config's
     # a vision-language prompt: the processor's other outputs for it (``pixel_values``, ``image_sizes``, ...), one
     # entry per image along the first dimension (numpy arrays); empty for text prompts
-    images: dict = field(default_factory=dict)
+    images: dict = field(default_factory=dict, compare=False)
 
     @property
     def key(self) -> tuple[int, tuple[int, ...]]:

@@ -32,6 +32,7 @@ from .hardware.cores import PinnedTrainer
 from .records import RolloutGroup
 from .reporting.progress import AsyncProgressCallback, batch_metrics
 from .reporting.trajectories import append_jsonl, trajectory_records
+from .rollout.images import message_images
 from .rollout.pool import RolloutPool
 from .rollout.rollout_func import RolloutFuncRunner, replayed_output
 from .rollout.scored import ScoredGroup
@@ -325,7 +326,7 @@ class AsyncGRPOTrainer(CorrectionSeam, GRPOTrainer):
             self.async_args.max_staleness,
             worker_restarts=pool.lane_restarts if pool is not None else 0,
             abandoned_groups=None
-            if self.environment_factories is None
+            if self.environment_factories is None and self.rollout_func is None
             else (pool.abandoned_groups if pool is not None else 0),
         )
         for name, value in extra.items():
@@ -356,8 +357,11 @@ class AsyncGRPOTrainer(CorrectionSeam, GRPOTrainer):
         if self._consuming is None:
             return super()._tokenize_prompts(prompts)
         # the prompt ids the workers sampled from, as rendered when the group was admitted: rendering again could
-        # differ (a template printing today's date; environments render each episode with its own tools)
-        return [self._row_prompt_ids(g.group, j) for g, j in self._consuming], None, {}
+        # differ (a template printing today's date; environments render each episode with its own tools). A
+        # vision-language prompt's images, as GRPOTrainer takes them from the messages: its loss builds the image
+        # inputs from them
+        ids = [self._row_prompt_ids(g.group, j) for g, j in self._consuming]
+        return ids, message_images(prompts) if self._is_vlm else None, {}
 
     def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
         if self._consuming is None:  # evaluation: GRPOTrainer's own loop

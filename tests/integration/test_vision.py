@@ -84,3 +84,33 @@ def test_what_vision_language_training_does_not_cover_is_refused_with_what_to_do
     with pytest.raises(NotImplementedError, match=says):
         AsyncGRPOTrainer(model=llava_dir, reward_funcs=vowels, args=async_args(tmp_path, **overrides),
                          train_dataset=vision_rows(), **extra)  # fmt: skip
+
+
+def test_images_inside_the_messages_reach_the_workers_as_from_an_image_column(tmp_path, llava_dir):
+    """A dataset may carry its images in the messages' image parts (no image column): the pool renders them as
+    GRPOTrainer does, token for token, and the workers get their pixel values."""
+    from datasets import Features, Image, List, Value
+    from trl import GRPOTrainer
+
+    from trl_async.setup.rendering import make_tokenize_row
+    from trl_async.setup.trainer_view import pool_inputs
+
+    part = {"type": Value("string"), "image": Image(), "text": Value("string")}  # images decoded on access
+    features = Features({"prompt": List({"role": Value("string"), "content": List(part)})})
+    rows = [
+        {"prompt": [{"role": "user", "content": [{"type": "image", "image": random_image(i), "text": None},
+                                                 {"type": "text", "image": None, "text": f"what is {i}?"}]}]}
+        for i in range(8)
+    ]  # fmt: skip
+    args = async_args(tmp_path, max_steps=2, max_staleness=0)
+    trainer = AsyncGRPOTrainer(
+        model=llava_dir, reward_funcs=vowels, args=args, train_dataset=Dataset.from_list(rows, features=features)
+    )
+    ids, images = make_tokenize_row(pool_inputs(trainer))(0, trainer.train_dataset[0])
+    assert list(ids) == list(GRPOTrainer._tokenize_prompts(trainer, [trainer.train_dataset[0]["prompt"]])[0][0])
+    assert images["pixel_values"].shape == (1, 3, 16, 16)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "is/ratio_min" in h]
+    assert len(logs) == 2 and all(
+        abs(h["is/ratio_min"] - 1) < 1e-3 and abs(h["is/ratio_max"] - 1) < 1e-3 for h in logs
+    )

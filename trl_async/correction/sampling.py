@@ -220,8 +220,9 @@ def processed_logps(
         stop = torch.zeros(vocab, dtype=torch.bool, device=logits_TV.device)
         stop[[i for i in settings.stop_ids if i < vocab]] = True
         logits_TV = logits_TV.masked_fill(early.unsqueeze(1) & stop.unsqueeze(0), -torch.inf)
-    if settings is not None and settings.suppressed:  # as transformers' SuppressTokensLogitsProcessor, every step
-        logits_TV = logits_TV.index_fill(-1, torch.tensor(settings.suppressed, device=logits_TV.device), -torch.inf)
+    suppressed = [i for i in (settings.suppressed if settings is not None else ()) if i < vocab]
+    if suppressed:  # as transformers' SuppressTokensLogitsProcessor, every step (an id past the vocabulary: none)
+        logits_TV = logits_TV.index_fill(-1, torch.tensor(suppressed, device=logits_TV.device), -torch.inf)
     scores = chain(history, logits_TV)
     return torch.log_softmax(scores, dim=-1).gather(-1, completion_ids.view(-1, 1).to(logits_TV.device)).squeeze(-1)
 
@@ -233,30 +234,29 @@ def unreproduced_settings(engine: str, generation_kwargs: Mapping | None) -> lis
 
 
 def proximal_logps(
-    chunks,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    logits: torch.Tensor,
     prompt_width: int,
     settings: SamplingSettings,
     temperature: float,
     sampled: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log pi, log pi processed)`` of the completion tokens (``input_ids[:, prompt_width:]``), from ``chunks``: the
-    ``(input_ids, attention_mask, logits)`` of each forward chunk, in row order, with the logits of the last
-    ``steps + 1`` positions. The softmax at ``temperature``, as GRPOTrainer's loss computes it, and the distribution
-    the engine samples from (``processed_logps``; ``sampled``: GRPOTrainer's ``tool_mask``, 1 where the engine
-    sampled the token). One forward pass serves both."""
-    chain, full, processed, row0 = None, [], [], 0
-    for ids, mask, logits in chunks:
-        steps = ids.size(1) - prompt_width
-        chain = chain if chain is not None else processors(settings, ids.device)
-        logits = logits[:, -steps - 1 : -1].float()  # the logits that predicted each completion token
-        completion = ids[:, prompt_width:]
-        full.append(torch.log_softmax(logits / temperature, -1).gather(-1, completion.unsqueeze(-1))[..., 0])
-        for row in range(ids.size(0)):
-            prompt = ids[row, :prompt_width][mask[row, :prompt_width].bool()]
-            marks = None if sampled is None else sampled[row0 + row].cpu()
-            processed.append(processed_logps(logits[row], prompt, completion[row], chain, settings, marks))
-        row0 += ids.size(0)
-    return torch.cat(full), torch.stack(processed)
+    """``(log pi, log pi processed)`` of the completion tokens (``ids[:, prompt_width:]``) of one forward chunk, from
+    its raw ``logits`` of the last ``steps + 1`` positions: the softmax at ``temperature``, as GRPOTrainer's loss
+    computes it, and the distribution the engine samples from (``processed_logps``; ``sampled``: the chunk's rows of
+    GRPOTrainer's ``tool_mask``, 1 where the engine sampled the token). One forward pass serves both."""
+    steps = ids.size(1) - prompt_width
+    chain = processors(settings, ids.device)
+    logits = logits[:, -steps - 1 : -1].float()  # the logits that predicted each completion token
+    completion = ids[:, prompt_width:]
+    full = torch.log_softmax(logits / temperature, -1).gather(-1, completion.unsqueeze(-1))[..., 0]
+    processed = []
+    for row in range(ids.size(0)):
+        prompt = ids[row, :prompt_width][mask[row, :prompt_width].bool()]
+        marks = None if sampled is None else sampled[row].cpu()
+        processed.append(processed_logps(logits[row], prompt, completion[row], chain, settings, marks))
+    return full, torch.stack(processed)
 
 
 def refused_sampling(

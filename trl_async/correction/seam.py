@@ -100,20 +100,22 @@ class CorrectionSeam:
                 )[:2]
                 if not self._sampling_differs:
                     return logps, logps
-            chunks = []  # GRPOTrainer's chunking and image slicing, with the model's raw logits kept
+            # GRPOTrainer's chunking and image slicing, each chunk's raw logits turned into log-probs as it comes
+            chunks, sampled, width = [], output.get("tool_mask"), output["prompt_ids"].size(1)
 
             def logits_of(**inputs):
                 inputs.pop("labels"), inputs.pop("fused_lm_head")
+                ids, mask = inputs["input_ids"], inputs["attention_mask"]
                 logits = self.model(**inputs, logits_to_keep=steps + 1, use_cache=False).logits
-                chunks.append((inputs["input_ids"], inputs["attention_mask"], logits))
-                return SimpleNamespace(log_probs=logits.new_zeros(inputs["input_ids"].shape))
+                done = sum(c[0].size(0) for c in chunks)
+                marks = None if sampled is None else sampled[done : done + ids.size(0)]
+                chunks.append(proximal_logps(ids, mask, logits, width, self._sampling, self.temperature, marks))
+                return SimpleNamespace(log_probs=logits.new_zeros(ids.shape))
 
             self._get_per_token_logps_and_entropies(
                 logits_of, prompt_completion_ids, attention_mask, steps, batch_size, **images
             )
-            full, processed = proximal_logps(
-                chunks, output["prompt_ids"].size(1), self._sampling, self.temperature, output.get("tool_mask")
-            )
+            full, processed = torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks])
         # with an fp32 LM head the loss's log-probs are the fused forward's: the clipped ratio starts at 1 with those
         return (logps if self.args.cast_lm_head_to_fp32 else full), processed
 

@@ -26,7 +26,8 @@ The version of each returned token, which admission control and ``max_staleness`
     its output, an int (every token) or one list of per-token versions per completion. Without either, the group is
     refused with an error, since a stale rollout would otherwise be trained on as if fresh.
 ``policy_version`` is taken out of the output; everything else but the required keys and ``env_mask`` is
-forwarded to the reward functions as GRPOTrainer forwards it.
+forwarded to the reward functions as GRPOTrainer forwards it. A group the function cannot complete raises
+``GroupAbandoned``: it is skipped and counted, and training goes on.
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ from ..records import RolloutGroup, RolloutTask
 logger = logging.getLogger(__name__)
 
 REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")
+
+
+class GroupAbandoned(Exception):
+    """Raised by a ``rollout_func`` for a group it cannot complete (an agent that failed or timed out): the group is
+    skipped and counted in ``async/abandoned_groups``, its prompt not retried, and training goes on. Any other
+    exception stops training, as in GRPOTrainer."""
 
 
 class _Closed(BaseException):
@@ -206,7 +213,7 @@ class RolloutFuncRunner:
         this rollout's own ``tokenizer``; ``version()``: the trainer's policy version now."""
         self.rollout_func, self.row, self.num_generations = rollout_func, row, num_generations
         self.timeout_s, self.max_model_len, self.max_new_tokens = timeout_s, max_model_len, max_new_tokens
-        self.submit_turn, self.finished, self.fail = submit_turn, finished, fail
+        self.submit_turn, self.finished, self.fail, self.abandon = submit_turn, finished, fail, abandon
         self.trainer_view, self.version = trainer_view, version
         self._tokenizer = tokenizer  # a private copy: the threads copy it, never the trainer's
         self._tokenizers: queue.SimpleQueue = queue.SimpleQueue()  # copies, each used by one rollout at a time
@@ -337,6 +344,9 @@ class RolloutFuncRunner:
                 self.finished(group)
         except _Closed:
             return
+        except GroupAbandoned as exc:
+            if not self._closed.is_set():
+                self.abandon(task, f"rollout_func gave the group up: {exc}")
         except BaseException as exc:  # noqa: BLE001 - the user's rollout: training stops with its error, as in TRL
             if not self._closed.is_set():
                 exc.add_note(f"(rollout_func, train_dataset row {task.prompt_index})")

@@ -28,6 +28,7 @@ from trl.data_utils import apply_chat_template, is_conversational
 from trl.trainer.utils import shutdown_event_loop_in_daemon, start_event_loop_in_daemon
 
 from ..records import RolloutGroup
+from .images import prompt_with_images, row_images
 from .scored import ScoredGroup
 
 
@@ -36,14 +37,14 @@ class RewardFunctionError(RuntimeError):
 
 
 def decode_completions(tokenizer, prompt_ids: Sequence[Sequence[int]], completion_ids, conversational: bool) -> list:
-    """Decode completions exactly as ``GRPOTrainer._generate`` does (no tools)."""
+    """Decode completions exactly as ``GRPOTrainer._generate`` does (no tools; a processor's own tokenizer parses)."""
     if conversational:
+        text = getattr(tokenizer, "tokenizer", tokenizer)
         if Version(transformers.__version__) >= Version("5.0.0") and (
-            getattr(tokenizer, "response_template", None) is not None
-            or getattr(tokenizer, "response_schema", None) is not None
+            getattr(text, "response_template", None) is not None or getattr(text, "response_schema", None) is not None
         ):
             return [
-                [parse_response(tokenizer, list(ids), prefix=list(prompt_ids[i]), tools=None)]
+                [parse_response(text, list(ids), prefix=list(prompt_ids[i]), tools=None)]
                 for i, ids in enumerate(completion_ids)
             ]
         contents = tokenizer.batch_decode([list(c) for c in completion_ids], skip_special_tokens=True)
@@ -107,7 +108,9 @@ class RewardScorer:
         """Returns ``rewards_NF`` (rows x reward functions, NaN where a function returned None), the extra columns
         and the metrics that reward functions logged during this call. ``environments`` (one instance per row) is
         passed on to the reward functions, as GRPOTrainer does."""
-        prompts = [row["prompt"] for row in rows]
+        # a row's images go into its messages, as GRPOTrainer gives reward functions the prompts it generated from
+        prompts = [row["prompt"] if row_images(row) is None else prompt_with_images(row["prompt"], row_images(row))
+                   for row in rows]  # fmt: skip
         extra_logs: dict[str, list] = defaultdict(list)
         metrics: dict[str, list] = defaultdict(list)
         keys = [k for k in rows[0] if k not in ("prompt", "completion", "completion_ids")]

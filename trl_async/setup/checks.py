@@ -161,6 +161,8 @@ def check_vision_language(setup: Loaded) -> None:
         refused = "vLLM servers (use rollout_backend='transformers', or trl.GRPOTrainer with vLLM)"
     elif setup.tools or setup.episodes:
         refused = "multi-turn episodes (tools, environment_factory) or a rollout_func (use trl.GRPOTrainer)"
+    elif (getattr(setup.generation_config, "num_beams", 1) or 1) > 1:
+        refused = "beam search (transformers expands several images per prompt out of order for beams)"
     else:
         return
     raise NotImplementedError(
@@ -209,7 +211,7 @@ def check_after_loading(setup: Loaded) -> None:
             "use rollout_device='cpu'."
         )
     model = setup.model
-    check_vocabulary(setup.tokenizer, getattr(model.config, "vocab_size", None))
+    check_vocabulary(setup.tokenizer, getattr(model.config.get_text_config(), "vocab_size", None))
     if is_peft_model(model):
         check_lora_on_tied_embeddings(model)
     message = emulated_precision_warning(setup.args.bf16, setup.args.fp16, setup.device)

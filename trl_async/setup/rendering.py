@@ -6,12 +6,18 @@ from __future__ import annotations
 
 import copy
 
-from trl.data_utils import is_conversational, prepare_multimodal_messages
+from trl.data_utils import is_conversational
+
+from ..rollout.images import prompt_with_images, row_images
 
 
 def make_tokenize_row(p):
     """``tokenize_row(index, row) -> (prompt ids, image inputs)`` for the pool (``p``: its ``PoolInputs``)."""
+    from transformers import ProcessorMixin
+
     tokenizer = copy.deepcopy(p.processing_class)
+    text_tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's
+    is_vlm = isinstance(tokenizer, ProcessorMixin)
     chat_template, template_kwargs = p.chat_template, p.chat_template_kwargs
     tools = list(p.tools or []) or None  # as GRPOTrainer._tokenize_prompts renders them
     text_config = p.model.config.get_text_config()  # a vision-language model's language model
@@ -25,8 +31,8 @@ def make_tokenize_row(p):
         if past:
             raise ValueError(
                 f"train_dataset row {index}: the prompt has token id {past[0]} "
-                f"({tokenizer.convert_ids_to_tokens(past[0])!r}), past the model's vocabulary of {vocab}. Remove "
-                "it from the data, or call model.resize_token_embeddings(len(tokenizer)) before building the "
+                f"({text_tokenizer.convert_ids_to_tokens(past[0])!r}), past the model's vocabulary of {vocab}. "
+                "Remove it from the data, or call model.resize_token_embeddings(len(tokenizer)) before building the "
                 "trainer."
             )
         if limit is not None and len(ids) + completion > limit:
@@ -36,42 +42,44 @@ def make_tokenize_row(p):
                 f"{completion} that exceeds the model's max_position_embeddings={limit}. Filter long prompts "
                 "out of the dataset or lower max_completion_length."
             )
+        unsupported = sorted(set(images) - IMAGE_FIELDS)
+        if unsupported:
+            raise ValueError(
+                f"train_dataset row {index}: the processor gives {unsupported} beside the pixel values, which the "
+                f"rollout workers do not batch yet (they take {sorted(IMAGE_FIELDS)}: LLaVA-style processors). Use "
+                "trl.GRPOTrainer for this model."
+            )
         return ids, images
 
     def _tokenize(prompt, images: list | None) -> tuple[tuple[int, ...], dict]:
-        if images is not None:  # as GRPOTrainer puts a row's images into its messages, and renders them
-            if not is_conversational({"prompt": prompt}):
-                raise ValueError(MULTIMODAL_NEEDS_MESSAGES)
-            prompt = prepare_multimodal_messages(prompt, images=images)
-        if is_conversational({"prompt": prompt}):
-            out = tokenizer.apply_chat_template(
-                conversation=[prompt],
-                tools=tools,
-                chat_template=chat_template,
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-                **({"return_tensors": "pt"} if images is not None else {}),
-                **template_kwargs,
-            )
-            # numpy arrays: pickled by value to the worker (a torch tensor would travel as a shared-memory handle)
-            fields = {k: v.numpy() for k, v in out.items() if k not in ("input_ids", "attention_mask")}
-            return tuple(int(t) for t in out["input_ids"][0]), fields if images is not None else {}
-        return tuple(tokenizer(text=[prompt])["input_ids"][0]), {}
+        conversational = is_conversational({"prompt": prompt})
+        if images is not None and not conversational:
+            raise ValueError(MULTIMODAL_NEEDS_MESSAGES)
+        if not conversational:
+            return tuple(tokenizer(text=[prompt])["input_ids"][0]), {}
+        if is_vlm:  # GRPOTrainer gives a VLM its messages as content parts, the row's images put in place
+            prompt = prompt_with_images(prompt, images)
+        out = tokenizer.apply_chat_template(
+            conversation=[prompt],
+            tools=tools,
+            chat_template=chat_template,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            **({"return_tensors": "pt"} if is_vlm else {}),
+            **template_kwargs,
+        )
+        # images (from the row or inside the messages): numpy arrays, pickled by value to the worker
+        fields = {k: v.numpy() for k, v in out.items() if k not in ("input_ids", "attention_mask")} if is_vlm else {}
+        return tuple(int(t) for t in out["input_ids"][0]), fields
 
     return tokenize_row
 
 
+# the processor outputs the workers batch: one entry per image along the first dimension (LLaVA, Qwen-VL's flattened
+# patches with their grid); per-token fields and per-call padding (token_type_ids, pixel_attention_mask) are refused
+IMAGE_FIELDS = {"pixel_values", "image_sizes", "image_grid_thw"}
 MULTIMODAL_NEEDS_MESSAGES = (
     "a train_dataset row with images needs a conversational prompt (a list of messages), as GRPOTrainer requires: "
     "pass the raw messages and let the trainer apply the chat template"
 )
-
-
-def row_images(row: dict) -> list | None:
-    """A row's images as GRPOTrainer reads them (an ``images`` list, or one ``image``); ``None``: none."""
-    if row.get("images"):
-        return list(row["images"])
-    if row.get("image") is not None:
-        return [row["image"]]
-    return None

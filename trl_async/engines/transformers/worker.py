@@ -161,18 +161,21 @@ def batched_images(tasks: Sequence[RolloutTask], rows_per_task: Sequence[int], d
     """The image inputs of a batch whose rows are each task's prompt ``rows_per_task`` times: every field of the
     tasks' ``images`` (one entry per image along the first dimension) repeated per row, in row order, as a
     vision-language model's forward matches images to the image tokens of its rows in order."""
-    keys = {key for task in tasks for key in task.images}
-    return {
-        key: torch.cat(
-            [
-                torch.as_tensor(task.images[key])
-                for task, n in zip(tasks, rows_per_task, strict=True)
-                if key in task.images
-                for _ in range(n)
-            ]  # fmt: skip
-        ).to(device)
-        for key in sorted(keys)
-    }
+    batched = {}
+    for key in sorted({key for task in tasks for key in task.images}):
+        parts = [
+            torch.as_tensor(task.images[key])
+            for task, n in zip(tasks, rows_per_task, strict=True)
+            if key in task.images
+            for _ in range(n)
+        ]
+        if len({tuple(p.shape[1:]) for p in parts}) > 1:
+            raise ValueError(
+                f"the prompts of one batch have {key} of different shapes ({sorted({tuple(p.shape) for p in parts})}):"
+                " a processor that pads its image inputs per call is not supported on the rollout workers yet"
+            )
+        batched[key] = torch.cat(parts).to(device)
+    return batched
 
 
 def build_policy_copy(spec: WorkerSpec) -> torch.nn.Module:

@@ -1,0 +1,149 @@
+"""``agent_rollout``: train an agent written for any framework, through the OpenAI-compatible endpoint.
+
+The user writes one function, ``agent(prompt, base_url)``, that runs an episode against a chat-completions API at
+``base_url`` (the ``openai`` client, smolagents, LangGraph, a loop of one's own) and returns its reward (a number), or
+a dict of fields for the reward functions. ``agent_rollout(agent)`` is a ``rollout_func``: for each admitted group
+it runs ``num_generations`` episodes of the group's prompt at once, each on threads of its own with a base URL of its
+own, and hands the trainer one sample per episode with the exact tokens sampled (``episode.py``). ``async def``
+agents run on an event loop of their own per episode.
+
+An episode that raises, outlives ``timeout_s``, sends no request, or floods the endpoint ends its group: GRPO
+normalises rewards within a group, so a group with an episode missing is not trained on. It is abandoned and counted
+(``async/abandoned_groups``), its prompt not retried, and training goes on. An episode still running after its
+timeout keeps its thread (Python cannot stop one) but its base URL answers 404 from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import inspect
+import math
+import numbers
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from ..rollout.rollout_func import GroupAbandoned
+from .endpoint import Endpoint, with_response_schema
+from .episode import assemble
+
+REWARD_FIELD = "agent_reward"
+
+
+def agent_reward(completions, agent_reward, **kwargs) -> list[float]:
+    """The reward function for agents that return a number: the number each episode returned."""
+    return [float(r) for r in agent_reward]
+
+
+class agent_rollout:  # noqa: N801 - used as a function: ``rollout_func=agent_rollout(agent)``
+    """A ``rollout_func`` running ``agent(prompt, base_url)`` per episode. ``timeout_s``: an episode's wall clock;
+    ``max_requests``: the requests one episode may send. ``episodes``: the last episodes' requests, newest last (at
+    most ``keep``), for inspection."""
+
+    def __init__(self, agent: Callable, timeout_s: float = 600.0, max_requests: int = 64, keep: int = 256) -> None:
+        if not callable(agent):
+            raise ValueError(f"agent must be a function agent(prompt, base_url) -> reward, got {type(agent).__name__}")
+        if not (isinstance(timeout_s, numbers.Real) and timeout_s > 0 and math.isfinite(timeout_s)):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if not (isinstance(max_requests, int) and max_requests >= 1):
+            raise ValueError(f"max_requests must be a positive integer, got {max_requests!r}")
+        self.agent, self.timeout_s, self.max_requests, self.keep = agent, float(timeout_s), max_requests, keep
+        self.episodes: list = []
+        self._endpoint: Endpoint | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def endpoint(self) -> Endpoint:
+        with self._lock:
+            if self._endpoint is None:  # started with the first group; serves every later one
+                self._endpoint = Endpoint()
+            return self._endpoint
+
+    def close(self) -> None:
+        """Stop the endpoint (a later group starts another)."""
+        with self._lock:
+            endpoint, self._endpoint = self._endpoint, None
+        if endpoint is not None:
+            endpoint.close()
+
+    def __call__(self, prompts: list, trainer) -> dict:
+        tokenizer = with_response_schema(trainer.processing_class)
+        opened = [
+            self.endpoint.open(
+                generate=trainer.rollout_generate,
+                tokenizer=copy.deepcopy(tokenizer),
+                chat_template=trainer.chat_template,
+                chat_template_kwargs=dict(trainer.chat_template_kwargs or {}),
+                max_completion_length=trainer.max_completion_length,
+                max_requests=self.max_requests,
+            )
+            for _ in prompts
+        ]
+        try:
+            results = self._run_all(prompts, [url for _, url in opened])
+        finally:
+            for episode, _ in opened:
+                self.endpoint.close_episode(episode)
+        episodes = [episode for episode, _ in opened]
+        with self._lock:
+            self.episodes = [*self.episodes, *(e.requests for e in episodes)][-self.keep :]
+        for i, episode in enumerate(episodes):
+            if episode.refused is not None:
+                raise GroupAbandoned(f"episode {i} sent {episode.refused}")
+            if not episode.requests:
+                raise GroupAbandoned(f"episode {i} sent no request to its endpoint: nothing to train on")
+        samples = [assemble(episode.requests) for episode in episodes]
+        output = {
+            "prompt_ids": [list(s.prompt_ids) for s in samples],
+            "completion_ids": [list(s.completion_ids) for s in samples],
+            "logprobs": [list(s.logprobs) for s in samples],
+            "env_mask": [list(s.env_mask) for s in samples],
+            "policy_version": [list(s.versions) for s in samples],
+            "agent_segments": [s.segments for s in samples],
+        }
+        for name in results[0]:
+            output[name] = [r[name] for r in results]
+        return output
+
+    def _run_all(self, prompts: list, urls: list[str]) -> list[dict]:
+        """Every episode at once, each on its own thread; their results as dicts of reward fields."""
+        futures = [Future() for _ in prompts]
+        for i, (prompt, url) in enumerate(zip(prompts, urls, strict=True)):
+            threading.Thread(target=self._run_one, args=(prompt, url, futures[i]), daemon=True,
+                             name=f"trl_async-agent-{i}").start()  # fmt: skip
+        deadline, results = time.monotonic() + self.timeout_s, []
+        for i, future in enumerate(futures):
+            try:
+                result = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise GroupAbandoned(f"episode {i} ran past timeout_s={self.timeout_s:g}") from None
+            except Exception as exc:  # noqa: BLE001 - the agent's own failure ends its group, not training
+                raise GroupAbandoned(f"episode {i}'s agent raised {exc!r}") from exc
+            results.append(reward_fields(result, i))
+        if any(set(r) != set(results[0]) for r in results):
+            raise ValueError(f"the agent returned different fields for the episodes of one group: {results}")
+        return results
+
+    def _run_one(self, prompt, url: str, future: Future) -> None:
+        try:
+            prompt = copy.deepcopy(prompt)
+            if inspect.iscoroutinefunction(self.agent):
+                future.set_result(asyncio.run(self.agent(prompt, url)))
+            else:
+                future.set_result(self.agent(prompt, url))
+        except BaseException as exc:  # noqa: BLE001 - reported to the group's thread
+            future.set_exception(exc)
+
+
+def reward_fields(result, index: int) -> dict:
+    """What an agent returned, as fields for the reward functions: a number is ``agent_reward``."""
+    if isinstance(result, numbers.Real) and not isinstance(result, bool):
+        return {REWARD_FIELD: float(result)}
+    if isinstance(result, dict) and result and all(isinstance(k, str) for k in result):
+        return dict(result)
+    raise ValueError(
+        f"episode {index}: the agent returned {result!r}; return its reward (a number) or a dict of fields for the "
+        "reward functions"
+    )
