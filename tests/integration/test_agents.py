@@ -37,7 +37,7 @@ def test_an_openai_client_agent_trains_on_exactly_the_tokens_it_sampled(tmp_path
     rows = [json.loads(x) for x in (tmp_path / "traj.jsonl").read_text().splitlines()]
     assert len(rows) == 2 * 8
     episodes = list(rollout.episodes)
-    samples = [assemble(requests) for requests in episodes]
+    samples = [assemble(requests) for requests in episodes if requests]  # (a group cut short at the end: none)
 
     def recorded(row, sample) -> bool:
         return (
@@ -54,7 +54,9 @@ def test_an_openai_client_agent_trains_on_exactly_the_tokens_it_sampled(tmp_path
     # several turns happened, and extended each other: tool results are masked inside one sample
     multi_turn = [s for s in samples if len(s.env_mask) > sum(s.env_mask)]
     assert multi_turn and all(s.segments == 1 for s in multi_turn)
-    for requests in episodes:  # the first prompt is the chat template's rendering of the row, with the tool schema
+    for requests in filter(
+        None, episodes
+    ):  # the first prompt is the chat template's rendering of the row, with the tool schema
         first = requests[0].prompt_ids
         rendered = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tools=TOOLS,
                                                   add_generation_prompt=True, tokenize=True)["input_ids"]
@@ -175,3 +177,34 @@ def test_malformed_requests_get_an_openai_error_naming_the_problem(tool_model_di
     assert post(f"{endpoint.url}/episodes/guess/v1/chat/completions", ok)[0] == 404
     endpoint.close()
     assert not [t for t in threading.enumerate() if t.name == "trl_async-agent-endpoint"]
+
+
+def test_stop_strings_and_the_sample_budget_keep_only_sampled_tokens():
+    """A stop string cuts the completion after the token that completes it (the kept tokens with their own mu); a
+    request past max_completion_length gets an empty "length" reply and records nothing."""
+    from trl_async.agents.endpoint import Endpoint
+    from trl_async.demo.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    sampled = tokenizer.convert_tokens_to_ids(list("ab.cd"))
+    endpoint = Endpoint()
+
+    def generate(contexts, max_new_tokens=None):
+        n = min(len(sampled), max_new_tokens)
+        return {"completion_ids": [sampled[:n]], "logprobs": [[-0.5] * n], "versions": [[3] * n]}
+
+    episode, url = endpoint.open(generate=generate, tokenizer=tokenizer, chat_template=None, chat_template_kwargs={},
+                                 max_completion_length=12, max_requests=8)  # fmt: skip
+    user = [{"role": "user", "content": "q"}]
+    code, reply = post(f"{url}/chat/completions", json.dumps({"messages": user, "stop": ".", "n": None}).encode())
+    assert code == 200 and reply["choices"][0]["message"]["content"] == "ab"
+    assert reply["choices"][0]["finish_reason"] == "stop" and episode.requests[0].completion_ids == tuple(sampled[:3])
+    long = [*user, {"role": "assistant", "content": "ab."}, {"role": "user", "content": "x" * 20}]
+    code, reply = post(f"{url}/chat/completions", json.dumps({"messages": long}).encode())
+    assert (code, reply["choices"][0]["finish_reason"], len(episode.requests)) == (200, "length", 1)
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]  # a dict: accepted
+    code, _ = post(f"{url}/chat/completions", json.dumps({"messages": [*user, {"role": "assistant", "content": None,
+                                                         "tool_calls": calls}]}).encode())  # fmt: skip
+    assert code == 200
+    assert post(f"{url}/chat/completions", b"\xff\xfe")[0] == 400  # not UTF-8
+    endpoint.close()

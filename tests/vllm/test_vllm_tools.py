@@ -75,3 +75,32 @@ def test_environments_on_the_vllm_backend_give_grpo_trainers_rewards(tmp_path, v
     assert env_rewards(ours) == env_rewards(sync) == [pytest.approx(1 / 3)] * 2
     assert tool_metrics(ours) == tool_metrics(sync)
     assert _by_prompt(recorder.seen) == _by_prompt(reference.seen)
+
+
+def test_an_openai_client_agent_trains_through_the_endpoint_on_the_vllm_backend(
+    tmp_path, vllm_tool_server, vllm_tool_model_dir
+):
+    """The docs' example agent (examples/agent_openai.py) through the endpoint, the server sampling every request:
+    each trained row is a recorded episode's sample, token for token, with the server's versions and mu."""
+    from examples.agent_openai import agent
+    from trl_async.agents import agent_reward, agent_rollout
+    from trl_async.agents.episode import assemble
+
+    rollout = agent_rollout(agent, timeout_s=120)
+    trainer = AsyncGRPOTrainer(model=vllm_tool_model_dir, reward_funcs=agent_reward,
+                               processing_class=tokenizer_of(vllm_tool_model_dir),
+                               args=_vllm(tmp_path, vllm_tool_server.url), train_dataset=dataset(TRL_PROMPTS),
+                               rollout_func=rollout)  # fmt: skip
+    trainer.train()
+    samples = [assemble(requests) for requests in rollout.episodes if requests]
+    records = [json.loads(x) for x in (tmp_path / "traj.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 6
+    for r in records:
+        assert any(
+            (list(s.prompt_ids), list(s.completion_ids), list(s.env_mask), list(s.versions))
+            == (r["prompt_ids"], r["completion_ids"], r["tool_mask"], r["versions"])
+            for s in samples
+        ), r
+    assert any(0 in r["tool_mask"] for r in records)  # a tool result inside a sample, masked
+    rollout.close()
+    assert no_rollout_children()

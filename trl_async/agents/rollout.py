@@ -21,9 +21,8 @@ import inspect
 import math
 import numbers
 import threading
-import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 
 from ..rollout.rollout_func import GroupAbandoned
 from .endpoint import Endpoint, with_response_schema
@@ -37,25 +36,30 @@ def agent_reward(completions, agent_reward, **kwargs) -> list[float]:
     return [float(r) for r in agent_reward]
 
 
-class agent_rollout:  # noqa: N801 - used as a function: ``rollout_func=agent_rollout(agent)``
-    """A ``rollout_func`` running ``agent(prompt, base_url)`` per episode. ``timeout_s``: an episode's wall clock;
-    ``max_requests``: the requests one episode may send. ``episodes``: the last episodes' requests, newest last (at
-    most ``keep``), for inspection."""
+RESERVED = ("prompt_ids", "completion_ids", "logprobs", "env_mask", "policy_version", "agent_segments")
 
-    def __init__(self, agent: Callable, timeout_s: float = 600.0, max_requests: int = 64, keep: int = 256) -> None:
+
+class agent_rollout:  # noqa: N801 - used as a function: ``rollout_func=agent_rollout(agent)``
+    """A ``rollout_func`` running ``agent(prompt, base_url)`` per episode. ``timeout_s``: an episode's wall clock
+    (below the trainer's ``rollout_timeout_s``, which bounds the trainer's wait for a batch); ``max_requests``: the
+    requests one episode may send. ``episodes``: the requests of the last ``keep`` episodes, newest last, for
+    inspection. Closed with the rollouts when training ends."""
+
+    def __init__(self, agent: Callable, timeout_s: float = 120.0, max_requests: int = 64, keep: int = 64) -> None:
         if not callable(agent):
             raise ValueError(f"agent must be a function agent(prompt, base_url) -> reward, got {type(agent).__name__}")
         if not (isinstance(timeout_s, numbers.Real) and timeout_s > 0 and math.isfinite(timeout_s)):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         if not (isinstance(max_requests, int) and max_requests >= 1):
             raise ValueError(f"max_requests must be a positive integer, got {max_requests!r}")
+        if not (isinstance(keep, int) and keep >= 0):
+            raise ValueError(f"keep must be a whole number of episodes, got {keep!r}")
         self.agent, self.timeout_s, self.max_requests, self.keep = agent, float(timeout_s), max_requests, keep
         self.episodes: list = []
         self._endpoint: Endpoint | None = None
         self._lock = threading.Lock()
 
-    @property
-    def endpoint(self) -> Endpoint:
+    def _endpoint_now(self) -> Endpoint:
         with self._lock:
             if self._endpoint is None:  # started with the first group; serves every later one
                 self._endpoint = Endpoint()
@@ -69,32 +73,34 @@ class agent_rollout:  # noqa: N801 - used as a function: ``rollout_func=agent_ro
             endpoint.close()
 
     def __call__(self, prompts: list, trainer) -> dict:
+        check_trainer(trainer, self.timeout_s)
+        endpoint = self._endpoint_now()
         tokenizer = with_response_schema(trainer.processing_class)
         opened = [
-            self.endpoint.open(
+            endpoint.open(
                 generate=trainer.rollout_generate,
                 tokenizer=copy.deepcopy(tokenizer),
-                chat_template=trainer.chat_template,
+                chat_template=trainer.chat_template,  # the trainer's rendering (None: the tokenizer's own)
                 chat_template_kwargs=dict(trainer.chat_template_kwargs or {}),
                 max_completion_length=trainer.max_completion_length,
                 max_requests=self.max_requests,
+                stop_ids=tuple(int(i) for i in trainer.eos_token_ids),
             )
             for _ in prompts
         ]
         try:
             results = self._run_all(prompts, [url for _, url in opened])
         finally:
-            for episode, _ in opened:
-                self.endpoint.close_episode(episode)
-        episodes = [episode for episode, _ in opened]
-        with self._lock:
-            self.episodes = [*self.episodes, *(e.requests for e in episodes)][-self.keep :]
-        for i, episode in enumerate(episodes):
+            recorded = [endpoint.close_episode(episode) for episode, _ in opened]
+            if self.keep:
+                with self._lock:
+                    self.episodes = [*self.episodes, *recorded][-self.keep :]
+        for i, (episode, _) in enumerate(opened):
             if episode.refused is not None:
                 raise GroupAbandoned(f"episode {i} sent {episode.refused}")
-            if not episode.requests:
+            if not recorded[i]:
                 raise GroupAbandoned(f"episode {i} sent no request to its endpoint: nothing to train on")
-        samples = [assemble(episode.requests) for episode in episodes]
+        samples = [assemble(requests) for requests in recorded]
         output = {
             "prompt_ids": [list(s.prompt_ids) for s in samples],
             "completion_ids": [list(s.completion_ids) for s in samples],
@@ -108,33 +114,51 @@ class agent_rollout:  # noqa: N801 - used as a function: ``rollout_func=agent_ro
         return output
 
     def _run_all(self, prompts: list, urls: list[str]) -> list[dict]:
-        """Every episode at once, each on its own thread; their results as dicts of reward fields."""
+        """Every episode at once, each on its own thread; their results as dicts of reward fields. The first
+        failure ends the group at once."""
         futures = [Future() for _ in prompts]
         for i, (prompt, url) in enumerate(zip(prompts, urls, strict=True)):
             threading.Thread(target=self._run_one, args=(prompt, url, futures[i]), daemon=True,
                              name=f"trl_async-agent-{i}").start()  # fmt: skip
-        deadline, results = time.monotonic() + self.timeout_s, []
+        done, pending = wait(futures, timeout=self.timeout_s, return_when=FIRST_EXCEPTION)
         for i, future in enumerate(futures):
-            try:
-                result = future.result(timeout=max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                raise GroupAbandoned(f"episode {i} ran past timeout_s={self.timeout_s:g}") from None
-            except Exception as exc:  # noqa: BLE001 - the agent's own failure ends its group, not training
+            if future in done and future.exception() is not None:
+                exc = future.exception()
                 raise GroupAbandoned(f"episode {i}'s agent raised {exc!r}") from exc
-            results.append(reward_fields(result, i))
+        if pending:
+            raise GroupAbandoned(f"{len(pending)} episode(s) ran past timeout_s={self.timeout_s:g}")
+        results = [reward_fields(future.result(), i) for i, future in enumerate(futures)]
         if any(set(r) != set(results[0]) for r in results):
             raise ValueError(f"the agent returned different fields for the episodes of one group: {results}")
         return results
 
     def _run_one(self, prompt, url: str, future: Future) -> None:
         try:
-            prompt = copy.deepcopy(prompt)
-            if inspect.iscoroutinefunction(self.agent):
-                future.set_result(asyncio.run(self.agent(prompt, url)))
-            else:
-                future.set_result(self.agent(prompt, url))
+            result = self.agent(copy.deepcopy(prompt), url)
+            if inspect.isawaitable(result):  # an async agent (or one that returns a coroutine): its own event loop
+                result = asyncio.run(_awaited(result))
+            future.set_result(result)
         except BaseException as exc:  # noqa: BLE001 - reported to the group's thread
             future.set_exception(exc)
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+def check_trainer(trainer, timeout_s: float) -> None:
+    """What the endpoint needs of the trainer: a text model (a processor's image prompts are not rendered here) and
+    a wait for batches longer than an episode."""
+    from transformers import ProcessorMixin
+
+    if isinstance(trainer.processing_class, ProcessorMixin):
+        raise ValueError("agent_rollout serves text models: a vision-language processor is not supported")
+    limit = getattr(getattr(trainer, "async_args", None), "rollout_timeout_s", None)
+    if limit is not None and timeout_s >= limit:
+        raise ValueError(
+            f"agent_rollout(timeout_s={timeout_s:g}) must be below rollout_timeout_s={limit:g}, the trainer's wait for "
+            "a batch: raise rollout_timeout_s or lower timeout_s"
+        )
 
 
 def reward_fields(result, index: int) -> dict:
@@ -142,6 +166,9 @@ def reward_fields(result, index: int) -> dict:
     if isinstance(result, numbers.Real) and not isinstance(result, bool):
         return {REWARD_FIELD: float(result)}
     if isinstance(result, dict) and result and all(isinstance(k, str) for k in result):
+        taken = sorted(set(result) & set(RESERVED))
+        if taken:
+            raise ValueError(f"episode {index}: the agent returned fields named {taken}, which the trainer uses")
         return dict(result)
     raise ValueError(
         f"episode {index}: the agent returned {result!r}; return its reward (a number) or a dict of fields for the "

@@ -354,14 +354,16 @@ class RolloutPool(PoolReadouts):
             self._later_turns.append(task)
             self._cv.notify_all()
 
-    def _abandon(self, task: RolloutTask, why: str) -> None:
-        """A group that cannot run or be scored (its environment's ``reset`` raised, or a timed-out tool call never
-        returned): skipped, counted, its prompt not retried."""
+    def _abandon(self, task: RolloutTask, why: str, streak: bool = True) -> None:
+        """A group that cannot run or be scored (its environment's ``reset`` raised, a timed-out tool call never
+        returned, a ``rollout_func`` gave it up): skipped, counted, its prompt not retried. ``streak``: counts
+        towards the groups-in-a-row limit (an agent that fails now and then gives groups up by chance: ``False``;
+        one that always fails leaves ``take`` waiting until ``rollout_timeout_s``)."""
         logger.warning("train_dataset row %d: skipped, %s", task.prompt_index, why)
         with self._cv:
             self._ledger.give_back()
             self.abandoned_groups += 1
-            self._abandoned_in_a_row += 1
+            self._abandoned_in_a_row += 1 if streak else 0
             # done as far as resuming is concerned, whatever the checkpoint's step
             self._prompts.taken([self._forget(task.group_id)], -(2**62))
             limit = 2 * self.settings.groups_per_batch + 2

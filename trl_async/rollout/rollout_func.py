@@ -247,6 +247,8 @@ class RolloutFuncRunner:
         pass
 
     def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the rollouts (each sees it at its next ``rollout_generate``), then close the ``rollout_func`` itself
+        where it has a ``close`` method (an agent endpoint)."""
         self._closed.set()
         with self._lock:
             waiting, self._waiting = list(self._waiting.values()), {}
@@ -259,6 +261,9 @@ class RolloutFuncRunner:
             threads = list(self._threads)
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+        close = getattr(self.rollout_func, "close", None)
+        if callable(close):
+            close()
         running = [t.name for t in threads if t.is_alive()]
         if running:
             logger.warning(
@@ -345,8 +350,12 @@ class RolloutFuncRunner:
         except _Closed:
             return
         except GroupAbandoned as exc:
-            if not self._closed.is_set():
-                self.abandon(task, f"rollout_func gave the group up: {exc}")
+            if self._closed.is_set():
+                return
+            if self.abandon is None:
+                self.fail(exc)
+            else:
+                self.abandon(task, f"rollout_func gave the group up: {exc}", streak=False)
         except BaseException as exc:  # noqa: BLE001 - the user's rollout: training stops with its error, as in TRL
             if not self._closed.is_set():
                 exc.add_note(f"(rollout_func, train_dataset row {task.prompt_index})")
