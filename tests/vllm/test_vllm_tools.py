@@ -102,5 +102,15 @@ def test_an_openai_client_agent_trains_through_the_endpoint_on_the_vllm_backend(
             for s in samples
         ), r
     assert any(0 in r["tool_mask"] for r in records)  # a tool result inside a sample, masked
+    from examples.agent_openai import TOOLS
+
+    tokenizer = tokenizer_of(vllm_tool_model_dir)
+    rendered = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tools=TOOLS, add_generation_prompt=True,
+                                              tokenize=True)["input_ids"] for p in TRL_PROMPTS]  # fmt: skip
+    assert all(list(requests[0].prompt_ids) in rendered for requests in rollout.episodes if requests)
+    # staleness 0: the server's mu of every sampled token against the trainer's teacher-forced forward of the same
+    # weights (float32 on both sides; the engines' kernels differ in rounding only)
+    logs = [h for h in trainer.state.log_history if "is/ratio_min" in h]
+    assert logs and all(abs(h["is/ratio_min"] - 1) < 1e-3 and abs(h["is/ratio_max"] - 1) < 1e-3 for h in logs), logs
     rollout.close()
     assert no_rollout_children()
