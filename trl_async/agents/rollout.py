@@ -20,6 +20,7 @@ import copy
 import inspect
 import math
 import numbers
+import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
@@ -58,6 +59,7 @@ class agent_rollout:  # noqa: N801 - used as a function: ``rollout_func=agent_ro
         self.episodes: list = []
         self._endpoint: Endpoint | None = None
         self._lock = threading.Lock()
+        self._tokenizers: queue.SimpleQueue = queue.SimpleQueue()  # copies, one per running episode, reused
 
     def _endpoint_now(self) -> Endpoint:
         with self._lock:
@@ -75,23 +77,25 @@ class agent_rollout:  # noqa: N801 - used as a function: ``rollout_func=agent_ro
     def __call__(self, prompts: list, trainer) -> dict:
         check_trainer(trainer, self.timeout_s)
         endpoint = self._endpoint_now()
-        tokenizer = with_response_schema(trainer.processing_class)
+        tokenizers = [self._tokenizer(trainer.processing_class) for _ in prompts]
         opened = [
             endpoint.open(
                 generate=trainer.rollout_generate,
-                tokenizer=copy.deepcopy(tokenizer),
+                tokenizer=tokenizer,
                 chat_template=trainer.chat_template,  # the trainer's rendering (None: the tokenizer's own)
                 chat_template_kwargs=dict(trainer.chat_template_kwargs or {}),
                 max_completion_length=trainer.max_completion_length,
                 max_requests=self.max_requests,
                 stop_ids=tuple(int(i) for i in trainer.eos_token_ids),
             )
-            for _ in prompts
+            for tokenizer in tokenizers
         ]
         try:
             results = self._run_all(prompts, [url for _, url in opened])
         finally:
             recorded = [endpoint.close_episode(episode) for episode, _ in opened]
+            for tokenizer in tokenizers:  # an episode's requests are over once it is closed
+                self._tokenizers.put(tokenizer)
             if self.keep:
                 with self._lock:
                     self.episodes = [*self.episodes, *recorded][-self.keep :]
@@ -112,6 +116,14 @@ class agent_rollout:  # noqa: N801 - used as a function: ``rollout_func=agent_ro
         for name in results[0]:
             output[name] = [r[name] for r in results]
         return output
+
+    def _tokenizer(self, processing_class):
+        """A tokenizer copy for one episode (a fast tokenizer is not shared across threads), parsing tool calls:
+        one released by an earlier episode, or a new one (a copy costs a real tokenizer tens of milliseconds)."""
+        try:
+            return self._tokenizers.get_nowait()
+        except queue.Empty:
+            return with_response_schema(processing_class)
 
     def _run_all(self, prompts: list, urls: list[str]) -> list[dict]:
         """Every episode at once, each on its own thread; their results as dicts of reward fields. The first
