@@ -58,11 +58,10 @@ def test_a_killed_server_restarted_on_its_port_is_reattached_and_nothing_is_lost
     import time
     import urllib.parse
 
-    import torch
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import TrainerCallback
 
     from tests.integration.test_lora_sync import VersionedTrainer
-    from tests.vllm.test_vllm_backend import _dataset, _reward, _vllm_args
+    from tests.vllm.test_vllm_backend import _dataset, _vllm_args
     from tests.vllm_server import start_server
 
     second = vllm_server_to_restart
@@ -101,9 +100,9 @@ def test_a_killed_server_restarted_on_its_port_is_reattached_and_nothing_is_lost
                     time.sleep(0.2)
 
     args = _vllm_args(tmp_path, vllm_server.url, max_steps=12, max_staleness=1, rollout_heartbeat_timeout_s=3,
-                      rollout_vllm_retry_s=20, per_device_train_batch_size=8,
+                      rollout_vllm_retry_s=20, per_device_train_batch_size=8, **MOVING,
                       rollout_vllm_urls=[vllm_server.url, second.url])  # fmt: skip
-    trainer = VersionedTrainer(model=vllm_model_dir, reward_funcs=_reward, args=args, train_dataset=_dataset(),
+    trainer = VersionedTrainer(model=vllm_model_dir, reward_funcs=moving_reward, args=args, train_dataset=_dataset(),
                                callbacks=[KillAndRestart()])  # fmt: skip
     try:
         trainer.train()
@@ -128,17 +127,48 @@ def test_a_killed_server_restarted_on_its_port_is_reattached_and_nothing_is_lost
     # after the re-attach the restarted server samples from the pushed weights of each token's version
     after = [r for r in rows if r["worker_id"] == 1 and r["step"] > state["killed_at"]]  # the restarted server's
     assert after, "the restarted server took no work after it was re-attached"
-    model = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
-    single = [r for r in after if len(set(r["versions"])) == 1]  # (a completion a push overtook mixes versions)
-    assert len(single) >= 4
-    for r in single:
-        loaded = model.load_state_dict(trainer.snapshots[r["versions"][0]], strict=False)
+    assert len(after) >= 4
+    assert_sampled_from_their_versions(vllm_model_dir, trainer.snapshots, after[:16])
+
+
+def moving_reward(completions, **kwargs):
+    """Differs between almost any two completions: nearly every group has an advantage, so each step moves the
+    weights (with ``MOVING``'s learning rate, short of collapsing the policy) far enough to tell versions apart."""
+    return [sum(map(ord, c)) % 11 / 10 for c in completions]
+
+
+MOVING = {"learning_rate": 1e-2}
+
+
+def assert_sampled_from_their_versions(model_dir: str, snapshots: dict, rows: list[dict]) -> None:
+    """Each completion token's mu equals a teacher-forced forward under the pushed weights of the version it was
+    sampled with (a completion that a push overtook holds tokens of two versions, each checked against its own).
+    The check must be able to fail: on most rows the version before would have missed by far more than the
+    tolerance."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def forward(version: int, r: dict) -> torch.Tensor:
+        loaded = model.load_state_dict(snapshots[version], strict=False)
         assert not loaded.unexpected_keys and len(loaded.missing_keys) <= 1  # (lm_head, tied to the embedding)
         ids = torch.tensor([r["prompt_ids"] + r["completion_ids"]])
         with torch.no_grad():
             logits = model(input_ids=ids).logits[0, len(r["prompt_ids"]) - 1 : -1]
-        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r["completion_ids"])[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(r["logprobs"]), expected, rtol=0, atol=1e-3)
+        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(r["completion_ids"])[:, None])[:, 0]
+
+    misses_of_the_version_before = []
+    for r in rows:
+        assert len(r["versions"]) == len(r["completion_ids"]) == len(r["logprobs"])
+        for version in sorted(set(r["versions"])):
+            mine = torch.tensor(r["versions"]) == version
+            mu = torch.tensor(r["logprobs"])[mine]
+            torch.testing.assert_close(mu, forward(version, r)[mine], rtol=0, atol=1e-3)
+            if version > 0:
+                misses_of_the_version_before.append((mu - forward(version - 1, r)[mine]).abs().max().item())
+    told_apart = [miss > 1e-2 for miss in misses_of_the_version_before]
+    assert sum(told_apart) >= len(told_apart) / 2, misses_of_the_version_before
 
 
 class Forwarder:

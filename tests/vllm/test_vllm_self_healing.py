@@ -12,12 +12,11 @@ import threading
 import time
 import urllib.parse
 
-import torch
-from transformers import AutoModelForCausalLM, TrainerCallback
+from transformers import TrainerCallback
 
 from tests.integration.test_lora_sync import VersionedTrainer
-from tests.vllm.test_vllm_backend import _dataset, _reward, _vllm_args
-from tests.vllm.test_vllm_reattach import Forwarder
+from tests.vllm.test_vllm_backend import _dataset, _vllm_args
+from tests.vllm.test_vllm_reattach import MOVING, Forwarder, assert_sampled_from_their_versions, moving_reward
 from tests.vllm_server import start_server
 from trl_async.engines.vllm import backend as backend_module
 from trl_async.engines.vllm.client import VLLMServer
@@ -93,7 +92,8 @@ def record_reattaches(monkeypatch) -> list[int]:
 
 def check_run(trainer, tmp_path, steps: int, batch: int, max_staleness: int, model_dir: str, since: int) -> None:
     """Every step trained a full batch, no group twice, within the staleness bound; the tokens generated after the
-    last re-attach were sampled from the pushed version of the weights (mu equals a teacher-forced forward)."""
+    last re-attach were sampled from the pushed weights of their version (mu equals a teacher-forced forward under
+    that version, token by token: a completion sampled across a push holds tokens of two versions)."""
     assert trainer.state.global_step == steps
     rows = [json.loads(x) for x in (tmp_path / "traj.jsonl").read_text().splitlines()]
     steps_of: dict[int, set] = {}
@@ -104,17 +104,9 @@ def check_run(trainer, tmp_path, steps: int, batch: int, max_staleness: int, mod
         )
     assert all(len(s) == 1 for s in steps_of.values())  # no group trained twice
     assert sorted({r["step"] for r in rows}) == list(range(steps)) and len(rows) == steps * batch  # none lost
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    late = [r for r in rows if min(r["versions"]) >= since and len(set(r["versions"])) == 1]
+    late = [r for r in rows if min(r["versions"]) >= since]
     assert len(late) >= 4, "no group came from the servers after the last re-attach"
-    for r in late[:16]:
-        loaded = model.load_state_dict(trainer.snapshots[r["versions"][0]], strict=False)
-        assert not loaded.unexpected_keys and len(loaded.missing_keys) <= 1  # (lm_head, tied to the embedding)
-        ids = torch.tensor([r["prompt_ids"] + r["completion_ids"]])
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits[0, len(r["prompt_ids"]) - 1 : -1]
-        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r["completion_ids"])[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(r["logprobs"]), expected, rtol=0, atol=1e-3)
+    assert_sampled_from_their_versions(model_dir, trainer.snapshots, late[:16])
 
 
 def kill_after_the_first_bucket(monkeypatch, armed: dict, server: Restartable, moment: str = "mid-push") -> None:
@@ -184,8 +176,8 @@ def test_the_only_server_killed_before_a_publish_mid_generate_and_mid_push_heals
 
     args = _vllm_args(tmp_path, url.url, max_steps=14, max_staleness=1, rollout_heartbeat_timeout_s=3,
                       rollout_vllm_retry_s=300, weight_sync_bucket_mb=0.05,
-                      rollout_trajectory_file="traj.jsonl")  # fmt: skip
-    trainer = VersionedTrainer(model=vllm_model_dir, reward_funcs=_reward, args=args, train_dataset=_dataset(),
+                      rollout_trajectory_file="traj.jsonl", **MOVING)  # fmt: skip
+    trainer = VersionedTrainer(model=vllm_model_dir, reward_funcs=moving_reward, args=args, train_dataset=_dataset(),
                                callbacks=[Moments()])  # fmt: skip
     try:
         trainer.train()
@@ -235,8 +227,8 @@ def test_two_servers_one_killed_mid_push_then_the_other_during_the_re_attach_pro
 
     args = _vllm_args(tmp_path, first.url, max_steps=10, max_staleness=1, rollout_heartbeat_timeout_s=3,
                       rollout_vllm_retry_s=300, weight_sync_bucket_mb=0.05, rollout_trajectory_file="traj.jsonl",
-                      rollout_vllm_urls=[first.url, second.url])  # fmt: skip
-    trainer = VersionedTrainer(model=vllm_model_dir, reward_funcs=_reward, args=args, train_dataset=_dataset(),
+                      rollout_vllm_urls=[first.url, second.url], **MOVING)  # fmt: skip
+    trainer = VersionedTrainer(model=vllm_model_dir, reward_funcs=moving_reward, args=args, train_dataset=_dataset(),
                                callbacks=[Moments()])  # fmt: skip
     try:
         trainer.train()
