@@ -206,9 +206,9 @@ def test_a_rank_that_stops_arriving_is_named_not_waited_for_forever(tmp_path, ti
     assert "not every rank reached the next rollout batch" in error and "Ranks 1 failed" in error
 
 
-def launch_machines(tmp_path: Path, config: str, model_dir: str, extra: list[str]) -> list[Path]:
-    """Two "machines" on this host, one rank each: two `accelerate launch` commands with ``--num_machines 2``, each
-    writing into a folder of its own (its own disk). Returns each machine's folder."""
+def launch_machines(tmp_path: Path, config: str, model_dir: str, extra: list[str], per_machine: int = 1) -> list[Path]:
+    """Two "machines" on this host, ``per_machine`` ranks each: two `accelerate launch` commands with
+    ``--num_machines 2``, each writing into a folder of its own (its own disk). Returns each machine's folder."""
     from trl_async.engines.vllm.weight_push.fan_out import free_port
 
     port, folders, procs = free_port(), [], []
@@ -217,7 +217,7 @@ def launch_machines(tmp_path: Path, config: str, model_dir: str, extra: list[str
         folders[-1].mkdir()
         cmd = [
             sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / f"recipes/accelerate/{config}.yaml"),
-            "--num_machines", "2", "--machine_rank", str(machine), "--num_processes", "2",
+            "--num_machines", "2", "--machine_rank", str(machine), "--num_processes", str(2 * per_machine),
             "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
             *(["--deepspeed_multinode_launcher", "standard"] if config.startswith("zero") else []),  # torchrun
             str(ROOT / "tests/distributed/train_and_check.py"), "--model", model_dir,
@@ -265,6 +265,30 @@ def test_two_machines_train_with_workers_on_the_global_main_rank_alone(tmp_path,
     ]  # each machine's disk holds its own rank's trajectories, nothing else
     prompts = [x["prompt_index"] for rows in traj for x in rows[::4]]  # one group of 4 rows per rank and step
     assert len(prompts) == 6 and len(set(prompts)) == 6, prompts
+
+
+def test_two_machines_of_two_ranks_each_keep_the_pool_on_the_global_main_rank(tmp_path, tiny_model_dir):
+    """DDP on two "machines" of two ranks each: the second machine's local main (global rank 2) is not mistaken for
+    the global main; every rank trains its own share of each batch, no prompt twice; the workers hold the trainer's
+    weights exactly after every sync."""
+    folders = launch_machines(tmp_path, "ddp", tiny_model_dir, ["--use_cpu"], per_machine=2)
+    machine_of = {0: 0, 1: 0, 2: 1, 3: 1}
+    places = [json.loads((folders[machine_of[r]] / f"result.json.place.rank{r}").read_text()) for r in range(4)]
+    assert places == [{"local_index": local, "pool": rank == 0} for rank, local in enumerate([0, 1, 0, 1])]
+    assert not (folders[1] / "result.json").exists()
+    result = json.loads((folders[0] / "result.json").read_text())
+    assert result["num_processes"] == 4 and result["steps"] == 3 and result["mismatches"] == []
+    assert result["compared"] == result["expected"] - len(result["not_compared"]) >= 20
+    assert result["verified_adoptions"] >= 2 and result["workers_alive"] == [False]
+    for machine, ranks in ((0, (0, 1)), (1, (2, 3))):  # each machine's disk: its own ranks' trajectories alone
+        assert sorted(p.name for p in (folders[machine] / "run").iterdir()) == [f"traj.jsonl.rank{r}" for r in ranks]
+    traj = [
+        [json.loads(x) for x in (folders[machine_of[r]] / "run" / f"traj.jsonl.rank{r}").read_text().splitlines()]
+        for r in range(4)
+    ]
+    assert all(sorted({x["step"] for x in rows}) == [0, 1, 2] for rows in traj)
+    prompts = [x["prompt_index"] for rows in traj for x in rows[::4]]  # one group of 4 rows per rank and step
+    assert len(prompts) == 12 and len(set(prompts)) == 12, prompts
 
 
 def test_two_machines_push_to_a_vllm_server_from_the_global_main_rank(tmp_path, vllm_model_dir, vllm_server):

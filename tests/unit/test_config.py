@@ -51,8 +51,11 @@ def test_weight_sync_must_fit_in_the_staleness_bound():
 
 def test_plain_grpo_config_gets_async_defaults():
     settings = resolve_settings(GRPOConfig(**BASE))
-    # the defaults, resolved: the engine (use_vllm=False: transformers workers) and the correction (loss_type="dapo")
-    assert settings == AsyncFields(rollout_backend="transformers", off_policy_correction="decoupled")
+    # the defaults, resolved: the engine (use_vllm=False: transformers workers), the correction (loss_type="dapo")
+    # and the weight update point (static batches: between generate calls)
+    assert settings == AsyncFields(
+        rollout_backend="transformers", off_policy_correction="decoupled", rollout_weight_update="batch"
+    )
     assert settings.max_staleness == 1 and settings.off_policy_correction == "decoupled"
     assert settings.resolved_importance_sampling_cap == 5.0  # AReaL's cap for the decoupled default
 
@@ -114,6 +117,16 @@ def test_weight_update_point_defaults_to_the_backends_cheap_one():
         AsyncGRPOConfig(**BASE, rollout_backend="vllm", rollout_weight_update="batch").resolved_weight_update
         == "batch"
     )
+    continuous = AsyncGRPOConfig(**BASE, use_transformers_continuous_batching=True)  # rows in flight re-encoded
+    assert continuous.resolved_weight_update == "decode_step"
+    # resolved once, into the settings every part reads; a plain GRPOConfig's continuous batching counts too
+    assert resolve_settings(continuous).rollout_weight_update == "decode_step"
+    assert resolve_settings(AsyncGRPOConfig(**BASE)).rollout_weight_update == "batch"
+    assert resolve_settings(GRPOConfig(**BASE, use_transformers_continuous_batching=True)).rollout_weight_update == (
+        "decode_step"
+    )
+    given = AsyncGRPOConfig(**BASE, use_transformers_continuous_batching=True, rollout_weight_update="batch")
+    assert resolve_settings(given).rollout_weight_update == "batch"
 
 
 def test_rollout_threads_default_to_the_cores_shared_among_workers(monkeypatch):

@@ -38,6 +38,7 @@ def test_a_reset_still_running_at_close_releases_its_environment_and_no_reset_st
     environments = EnvironmentPool({None: SlowEnvironment})
     submitted, failed = [], []
     runner = _episode_runner(environments, submitted, failed)
+    runner.open()
     runner.start(RolloutTask(0, 0, (), 0))
     runner.start(RolloutTask(1, 1, (), 0))
     assert resetting.wait(5)

@@ -97,6 +97,7 @@ def trl_engine_fields(args) -> dict:
         "use_vllm": getattr(args, "use_vllm", False),
         "vllm_mode": getattr(args, "vllm_mode", "colocate"),
         "vllm_enable_sleep_mode": getattr(args, "vllm_enable_sleep_mode", False),
+        "use_transformers_continuous_batching": bool(getattr(args, "use_transformers_continuous_batching", False)),
     }
 
 

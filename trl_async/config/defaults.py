@@ -1,7 +1,8 @@
 """Defaults that depend on other settings, resolved in one place.
 
 ``resolve_defaults`` is the one step that writes into the settings: the engine that GRPOConfig's ``use_vllm`` and
-``vllm_mode`` ask for, and the correction mode ``loss_type`` calls for. The ``resolved_*`` properties compute the
+``vllm_mode`` ask for, the correction mode ``loss_type`` calls for, and where new weights are adopted (which follows
+the engine and GRPOConfig's ``use_transformers_continuous_batching``). The ``resolved_*`` properties compute the
 rest on read (they depend on the machine or on the trainer's precision, which the config does not know when it is
 built).
 """
@@ -31,15 +32,25 @@ def resolve_defaults(
     use_vllm: bool = False,
     vllm_mode: str = "colocate",
     vllm_enable_sleep_mode: bool = False,
+    use_transformers_continuous_batching: bool = False,
 ) -> None:
     """Fill the defaults of ``settings`` (an ``AsyncFields``) that GRPO's own fields decide: ``rollout_backend`` and
-    ``vllm_colocate`` from ``use_vllm``/``vllm_mode`` (``ValueError`` when they disagree), and
-    ``off_policy_correction`` from ``loss_type`` ('tis' under VESPO, else 'decoupled')."""
+    ``vllm_colocate`` from ``use_vllm``/``vllm_mode`` (``ValueError`` when they disagree), ``off_policy_correction``
+    from ``loss_type`` ('tis' under VESPO, else 'decoupled'), and ``rollout_weight_update`` (``weight_update_default``)."""
     choice = rollout_engine(
         settings.rollout_backend, use_vllm, vllm_mode, settings.rollout_vllm_urls, vllm_enable_sleep_mode
     )
     settings.rollout_backend, settings.vllm_colocate = choice.backend, choice.colocate
     settings.off_policy_correction = correction_default(settings.off_policy_correction, loss_type)
+    if settings.rollout_weight_update is None:
+        settings.rollout_weight_update = weight_update_default(choice.backend, use_transformers_continuous_batching)
+
+
+def weight_update_default(backend: str, continuous_batching: bool) -> str:
+    """Where new weights are adopted unless ``rollout_weight_update`` says: between decode steps where generation
+    runs as a stream that rows join and leave (vLLM servers, paused and resumed; transformers workers with continuous
+    batching, re-encoding the rows in flight), else between generate calls."""
+    return "decode_step" if backend == "vllm" or continuous_batching else "batch"
 
 
 def correction_default(given: str | None, loss_type: str | None) -> str:
@@ -82,11 +93,13 @@ class ResolvedDefaults:
 
     @property
     def resolved_weight_update(self) -> str:
-        """vLLM servers' default; transformers workers decide where they know whether they batch continuously
-        (setup/pool.py)."""
+        """``rollout_weight_update``, filled by ``resolve_defaults``; read on a config not yet resolved, the default
+        from its own fields (GRPOConfig's ``use_transformers_continuous_batching`` where it has them)."""
         if self.rollout_weight_update is not None:
             return self.rollout_weight_update
-        return "decode_step" if self.rollout_backend == "vllm" else "batch"
+        return weight_update_default(
+            self.rollout_backend, bool(getattr(self, "use_transformers_continuous_batching", False))
+        )
 
     @property
     def resolved_importance_sampling_cap(self) -> float:

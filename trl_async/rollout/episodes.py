@@ -204,6 +204,8 @@ class EpisodeRunner:
         self._events: queue.Queue = queue.Queue()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="trl_async-episodes", daemon=True)
+
+    def open(self) -> None:
         self._thread.start()
 
     def on_turn(self, turn: RolloutGroup, admitted_at_version: int) -> None:
@@ -245,6 +247,9 @@ class EpisodeRunner:
         instances itself when that call returns, and starts nothing after it."""
         self._closed.set()
         self._events.put(None)
+        if self._thread.ident is None:  # never opened
+            self._release_all()
+            return
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             logger.warning(

@@ -79,6 +79,9 @@ class GroupRunner(Protocol):
 
     starts_groups: bool  # it starts each admitted group itself (``start``) instead of the pool's first turn
 
+    def open(self) -> None:
+        """Start its thread(s): nothing runs before this (the pool's ``start``); ``close`` stops them."""
+
     def start(self, task: RolloutTask) -> None: ...
 
     def on_turn(self, turn: RolloutGroup, admitted_at_version: int) -> None:

@@ -140,6 +140,8 @@ class RolloutPool(PoolReadouts):
     def start(self) -> RolloutPool:
         """Start the lanes (``Backend.start_lane``, one per spec) and the pool's threads: dispatch, collect, scoring.
         Nothing runs before this; ``close`` stops what it started."""
+        if self._episodes is not None:
+            self._episodes.open()
         self.lanes.start()
         for t in self._threads:
             t.start()

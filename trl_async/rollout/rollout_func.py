@@ -224,6 +224,9 @@ class RolloutFuncRunner:
         self._threads: set[threading.Thread] = set()  # one per running rollout, joined at close
 
     # ---- the pool's side ---------------------------------------------------------------------------------------
+    def open(self) -> None:
+        """Nothing to start: each rollout gets a thread of its own when its group starts."""
+
     def start(self, task: RolloutTask) -> None:
         if self._closed.is_set():
             return

@@ -211,7 +211,7 @@ def process_backend(p: PoolInputs) -> ProcessBackend:
             num_generations=sampling.num_generations,
             eos_token_ids=sampling.eos_token_ids,
             pad_token_id=p.tokenizer.pad_token_id,
-            weight_update=a.rollout_weight_update or ("decode_step" if slots else "batch"),
+            weight_update=a.rollout_weight_update,  # resolved (config/defaults.py)
             slots=slots,
             max_context=max_context,
             paged_settings=args.transformers_continuous_batching_config if continuous else None,
@@ -348,7 +348,7 @@ def _vllm_backend(p: PoolInputs, urls: list[str], owned: list):
         trainer_device=str(p.device),
         owned=owned,
         bucket_bytes=int(a.weight_sync_bucket_mb * 2**20),
-        pause_mode="keep" if a.resolved_weight_update == "decode_step" else "wait",
+        pause_mode="keep" if a.rollout_weight_update == "decode_step" else "wait",
         startup_timeout_s=args.vllm_server_timeout,
         adapters=AdapterPlan(  # LoRA: the base once, then each version as a named adapter
             base_specs=policy_specs(model, persistent_only=True, part="frozen"),
