@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -26,19 +28,44 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STANDINS = ("tiny-Qwen2ForCausalLM-2.5", "tiny-Qwen2ForSequenceClassification-2.5")
-SWAP = '''"""Loaded with -p: under TRL_SUITE_CLASS=async, `from trl import GRPOTrainer` gives AsyncGRPOTrainer."""
+SWAP = '''"""Loaded with -p, in both runs: an ``is_*_available`` check the tests import and this TRL lacks answers False
+(tests written for another TRL release); under TRL_SUITE_CLASS=async, `from trl import GRPOTrainer` gives
+AsyncGRPOTrainer."""
+import importlib
 import os
+
+
+def _missing(name):
+    if name.startswith("is_") and name.endswith("_available"):
+        return lambda *args, **kwargs: False
+    raise AttributeError(name)
+
+
+importlib.import_module("trl.import_utils").__getattr__ = _missing
 
 if os.environ.get("TRL_SUITE_CLASS") == "async":
     import trl
     from trl_async import AsyncGRPOTrainer
 
     trl.GRPOTrainer = AsyncGRPOTrainer
+    _built = [0]
+    _init = AsyncGRPOTrainer.__init__
+
+    def _counted(self, *args, **kwargs):
+        _built[0] += 1
+        return _init(self, *args, **kwargs)
+
+    AsyncGRPOTrainer.__init__ = _counted
+
+    def pytest_sessionfinish(session):  # evidence that the swap took: how many AsyncGRPOTrainers the tests built
+        with open(os.environ["TRL_SUITE_BUILT"], "w") as f:
+            f.write(str(_built[0]))
 '''
 
 
 def zen_lines() -> list[str]:
-    import this  # noqa: F401  (prints the Zen of Python once; its text is kept rot13-encoded in this.s)
+    with contextlib.redirect_stdout(io.StringIO()):
+        import this  # noqa: F401  (prints the Zen of Python; its text is kept rot13-encoded in this.s)
 
     text = codecs.decode(sys.modules["this"].s, "rot13")
     return [line for line in text.splitlines()[1:] if line.strip()]
@@ -74,14 +101,14 @@ def build_models(folder: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(smollm2_135m_instruct())
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    config = Qwen2Config(
+    shape = dict(
         vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip
     torch.manual_seed(0)
     for name, cls in zip(STANDINS, (Qwen2ForCausalLM, Qwen2ForSequenceClassification), strict=True):
-        model = cls(Qwen2Config(**{**config.to_dict(), "num_labels": 1}) if "Sequence" in name else config)
+        model = cls(Qwen2Config(**shape, num_labels=1) if "Sequence" in name else Qwen2Config(**shape))
         model.save_pretrained(folder / name)
         tokenizer.save_pretrained(folder / name)
 
@@ -104,9 +131,12 @@ def run(work: Path, which: str, select: str | None, timeout_s: int) -> dict:
     if select:
         cmd += ["-k", select]
     env = {**os.environ, "TRL_SUITE_CLASS": which, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "PYTHONPATH": str(work), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+           "PYTHONPATH": str(work), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "TRL_SUITE_BUILT": str(work / "async_trainers_built")}  # fmt: skip
     started = time.monotonic()
     subprocess.run(cmd, cwd=work, env=env, check=False)
+    if not report.exists():
+        raise RuntimeError(f"pytest wrote no report ({which}): see its output above")
     outcomes = {}
     for case in ET.parse(report).getroot().iter("testcase"):
         name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
@@ -119,7 +149,11 @@ def run(work: Path, which: str, select: str | None, timeout_s: int) -> dict:
                     found.get("message") or found.text) else ""  # fmt: skip
                 break
         outcomes[name] = {"outcome": outcome, "why": why, "seconds": round(float(case.get("time", 0)), 1)}
-    return {"seconds": round(time.monotonic() - started), "tests": outcomes}
+    built = work / "async_trainers_built"
+    result = {"seconds": round(time.monotonic() - started), "tests": outcomes}
+    if which == "async":
+        result["async_trainers_built"] = int(built.read_text()) if built.exists() else 0
+    return result
 
 
 def summarise(runs: dict, meta: dict) -> tuple[dict, str]:
@@ -144,7 +178,8 @@ def summarise(runs: dict, meta: dict) -> tuple[dict, str]:
         *(f"| {'GRPOTrainer' if w == 'grpo' else 'AsyncGRPOTrainer'} | {c['passed']} | {c['failed']} | {c['error']} "
           f"| {c['skipped']} | {runs[w]['seconds']} |" for w, c in counts.items()),
         "",
-        f"Selected: `{meta['select'] or 'all'}`. Tests whose outcome differs:",
+        f"Selected: `{meta['select'] or 'all'}`. AsyncGRPOTrainers the tests built in the swapped run: "
+        f"{runs['async'].get('async_trainers_built', 0)}. Tests whose outcome differs:",
         "",
         "| test | GRPOTrainer | AsyncGRPOTrainer | why (AsyncGRPOTrainer) |",
         "|---|---|---|---|",
@@ -157,7 +192,9 @@ def summarise(runs: dict, meta: dict) -> tuple[dict, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tests", type=Path, required=True, help="a TRL checkout's tests/ folder")
-    parser.add_argument("--tests_from", default="", help="what the tests are (a TRL version or commit), for the report")
+    parser.add_argument(
+        "--tests_from", default="", help="what the tests are (a TRL version or commit), for the report"
+    )
     parser.add_argument("-k", dest="select", default=None, help="pytest -k expression")
     parser.add_argument("--work", type=Path, default=Path("/tmp/trl_suite"))
     parser.add_argument("--timeout_s", type=int, default=300)

@@ -117,6 +117,7 @@ def test_weight_update_point_defaults_to_the_backends_cheap_one():
         AsyncGRPOConfig(**BASE, rollout_backend="vllm", rollout_weight_update="batch").resolved_weight_update
         == "batch"
     )
+    assert AsyncGRPOConfig(**BASE, use_vllm=True, vllm_mode="server").resolved_weight_update == "decode_step"
     continuous = AsyncGRPOConfig(**BASE, use_transformers_continuous_batching=True)  # rows in flight re-encoded
     assert continuous.resolved_weight_update == "decode_step"
     # resolved once, into the settings every part reads; a plain GRPOConfig's continuous batching counts too

@@ -97,9 +97,10 @@ class ResolvedDefaults:
         from its own fields (GRPOConfig's ``use_transformers_continuous_batching`` where it has them)."""
         if self.rollout_weight_update is not None:
             return self.rollout_weight_update
-        return weight_update_default(
-            self.rollout_backend, bool(getattr(self, "use_transformers_continuous_batching", False))
-        )
+        backend = self.rollout_backend or (
+            "vllm" if getattr(self, "use_vllm", False) else "transformers"
+        )  # an unresolved config's engine follows use_vllm, as resolve_defaults decides it
+        return weight_update_default(backend, bool(getattr(self, "use_transformers_continuous_batching", False)))
 
     @property
     def resolved_importance_sampling_cap(self) -> float:

@@ -142,9 +142,14 @@ class RolloutPool(PoolReadouts):
         Nothing runs before this; ``close`` stops what it started."""
         if self._episodes is not None:
             self._episodes.open()
-        self.lanes.start()
-        for t in self._threads:
-            t.start()
+        try:
+            self.lanes.start()
+            for t in self._threads:
+                t.start()
+        except BaseException:
+            if self._episodes is not None:  # its thread would wait for events forever, holding its environments
+                self._episodes.close()
+            raise
         return self
 
     # ---- main thread -------------------------------------------------------------------------------------------
