@@ -243,12 +243,12 @@ def launch_machines(tmp_path: Path, config: str, model_dir: str, extra: list[str
     return folders
 
 
-@pytest.mark.parametrize("config,extra", [("ddp", ["--use_cpu"]), ("fsdp2", ["--fsdp_on_cpu"])], ids=["ddp", "fsdp2"])
-def test_two_machines_train_with_workers_on_the_global_main_rank_alone(tmp_path, tiny_model_dir, config, extra):
-    """The second machine's rank is its machine's main process but not the global main: it starts no rollout pool
-    (no workers, no scorers), receives its share of each batch, and writes only its own trajectories; the first
-    machine's workers hold the consolidated trainer weights exactly after every sync."""
-    folders = launch_machines(tmp_path, config, tiny_model_dir, extra)
+def test_two_machines_train_with_workers_on_the_global_main_rank_alone(tmp_path, tiny_model_dir):
+    """FSDP2, one rank per machine (DDP: two per machine, below). The second machine's rank is its machine's main
+    process but not the global main: it starts no rollout pool (no workers, no scorers), receives its share of each
+    batch, and writes only its own trajectories; the first machine's workers hold the consolidated trainer weights
+    exactly after every sync."""
+    folders = launch_machines(tmp_path, "fsdp2", tiny_model_dir, ["--fsdp_on_cpu"])
     places = [json.loads((folders[r] / f"result.json.place.rank{r}").read_text()) for r in (0, 1)]
     assert places == [{"local_index": 0, "pool": True}, {"local_index": 0, "pool": False}]
     assert not (folders[1] / "result.json").exists()  # the result (and the weights compared) are rank 0's
@@ -256,7 +256,7 @@ def test_two_machines_train_with_workers_on_the_global_main_rank_alone(tmp_path,
     assert result["num_processes"] == 2 and result["steps"] == 3 and result["mismatches"] == []
     assert result["compared"] == result["expected"] - len(result["not_compared"]) >= 20
     assert result["verified_adoptions"] >= 2 and result["workers_alive"] == [False]
-    assert result["fsdp_version"] == {"ddp": None, "fsdp2": 2}[config]
+    assert result["fsdp_version"] == 2
     traj = [
         [json.loads(x) for x in (folders[r] / "run" / f"traj.jsonl.rank{r}").read_text().splitlines()] for r in (0, 1)
     ]

@@ -35,6 +35,28 @@ def test_sync_async_and_none_rewards_with_dataset_columns_and_logging():
     assert metrics == {"my/metric": [3.0]} and extra == {"judge": ["ok", "ok"]}
 
 
+def test_a_row_every_function_scored_none_is_warned_about_as_grpo_trainer_does(caplog):
+    def none_for_the_first(completions, **kwargs):
+        return [None, 1.0]
+
+    def none_for_the_second(completions, **kwargs):
+        return [1.0, None]
+
+    def always_none(completions, **kwargs):
+        return [None] * len(completions)
+
+    rows = [{"prompt": "p0", "answer": "a0"}, {"prompt": "p1", "answer": "a1"}]
+    with caplog.at_level("WARNING"):
+        make_scorer(none_for_the_first, none_for_the_second).score(rows, ["x", "y"], [[1], [2]])
+    assert "All reward functions returned None" not in caplog.text  # every row has a value from some function
+    with caplog.at_level("WARNING"):
+        make_scorer(none_for_the_first, always_none).score(rows, ["x", "y"], [[1], [2]])
+    warned = [r.getMessage() for r in caplog.records if "All reward functions returned None" in r.getMessage()]
+    assert len(warned) == 1  # GRPOTrainer's words, and the first such row's inputs
+    assert warned[0].startswith("All reward functions returned None for the following kwargs:")
+    assert "'answer': 'a0'" in warned[0] and "'prompt': 'p0'" in warned[0] and "'completion': 'x'" in warned[0]
+
+
 def test_raising_reward_names_the_function_and_shows_the_input():
     def fragile(completions, **kwargs):
         raise KeyError("boom")

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import copy
 import inspect
+import logging
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -30,6 +31,8 @@ from trl.trainer.utils import shutdown_event_loop_in_daemon, start_event_loop_in
 from ..records import RolloutGroup
 from .images import prompt_with_images, row_images
 from .scored import ScoredGroup
+
+logger = logging.getLogger(__name__)
 
 
 class RewardFunctionError(RuntimeError):
@@ -144,6 +147,9 @@ class RewardScorer:
                     if isinstance(out, BaseException):
                         raise out
                     rewards[:, i] = torch.tensor(_as_rewards(out, name, len(rows), prompts, completions))
+        unscored = torch.isnan(rewards).all(dim=1).nonzero().flatten().tolist()
+        if unscored:
+            warn_unscored(rows[unscored[0]], completions[unscored[0]], prompts[unscored[0]])
         return rewards, dict(extra_logs), dict(metrics)
 
     def _score_model(self, model: nn.Module, tokenizer, prompts: list, completions: list) -> torch.Tensor:
@@ -158,6 +164,18 @@ class RewardScorer:
         inputs = {k: v.to(self.device) for k, v in inputs.items()}
         with torch.inference_mode():
             return model(**inputs).logits[:, 0].float().cpu()
+
+
+def warn_unscored(row: dict, completion, prompt) -> None:
+    """A row that every reward function scored None (its advantage then comes from NaN), warned about in the words
+    GRPOTrainer uses, with the row's inputs, so that a filter on GRPOTrainer's warning sees it too."""
+    inputs = {k: v for k, v in row.items() if k not in ("prompt", "completion", "completion_ids")}
+    inputs.update(prompt=prompt, completion=completion)
+    logger.warning(
+        "All reward functions returned None for the following kwargs:\n%s\nAt least one reward function must return a "
+        "value for each completion.",
+        inputs,
+    )
 
 
 async def _await(awaitable):
