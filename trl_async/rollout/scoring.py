@@ -167,8 +167,8 @@ class RewardScorer:
 
 
 def warn_unscored(row: dict, completion, prompt) -> None:
-    """A row that every reward function scored None (its advantage then comes from NaN), warned about in the words
-    GRPOTrainer uses, with the row's inputs, so that a filter on GRPOTrainer's warning sees it too."""
+    """A row that every reward function scored None (GRPOTrainer's weighted ``nansum`` then makes its reward 0),
+    warned about in the words GRPOTrainer uses, with the row's inputs, so that a filter on its warning sees it too."""
     inputs = {k: v for k, v in row.items() if k not in ("prompt", "completion", "completion_ids")}
     inputs.update(prompt=prompt, completion=completion)
     logger.warning(
