@@ -113,9 +113,16 @@ def build_models(folder: Path) -> None:
         tokenizer.save_pretrained(folder / name)
 
 
+MARK = ".trl_suite_work"  # a work folder this script made, and may empty again
+
+
 def prepare(work: Path, tests: Path) -> None:
     if work.exists():
+        if not (work / MARK).exists():
+            raise ValueError(f"--work {work} exists and was not made by this script: name a new folder")
         shutil.rmtree(work)
+    work.mkdir(parents=True)
+    (work / MARK).touch()
     hub = work / "trl-internal-testing"
     (hub / "zen").mkdir(parents=True)
     build_zen(hub / "zen")
@@ -145,8 +152,8 @@ def run(work: Path, which: str, select: str | None, timeout_s: int) -> dict:
             found = case.find(tag)
             if found is not None:
                 outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
-                why = (found.get("message") or found.text or "").strip().splitlines()[0][:300] if (
-                    found.get("message") or found.text) else ""  # fmt: skip
+                lines = (found.get("message") or found.text or "").strip().splitlines()
+                why = lines[0][:300] if lines else ""
                 break
         outcomes[name] = {"outcome": outcome, "why": why, "seconds": round(float(case.get("time", 0)), 1)}
     built = work / "async_trainers_built"
@@ -163,13 +170,15 @@ def summarise(runs: dict, meta: dict) -> tuple[dict, str]:
                 for k in ("passed", "failed", "error", "skipped")}
         for which in runs
     }  # fmt: skip
-    differ = [
-        (n, runs["grpo"]["tests"].get(n, {}), runs["async"]["tests"].get(n, {}))
-        for n in names
-        if runs["grpo"]["tests"].get(n, {}).get("outcome") != runs["async"]["tests"].get(n, {}).get("outcome")
-    ]
-    result = {**meta, "counts": counts, "runs": runs,
-              "differ": [{"test": n, "grpo": g, "async": a} for n, g, a in differ]}  # fmt: skip
+    pairs = [(n, runs["grpo"]["tests"].get(n, {}), runs["async"]["tests"].get(n, {})) for n in names]
+    differ = [(n, g, a) for n, g, a in pairs if g.get("outcome") != a.get("outcome")]
+    # failing under both classes, but not for the same reason: the swap may hide a difference behind the failure
+    both = [(n, g, a) for n, g, a in pairs
+            if g.get("outcome") == a.get("outcome") in ("failed", "error") and g.get("why") != a.get("why")]  # fmt: skip
+    causes = baseline_causes(runs["grpo"]["tests"])
+    result = {**meta, "counts": counts, "runs": runs, "baseline_causes": causes,
+              "differ": [{"test": n, "grpo": g, "async": a} for n, g, a in differ],
+              "fail_both_differently": [{"test": n, "grpo": g, "async": a} for n, g, a in both]}  # fmt: skip
     lines = [
         f"# TRL's GRPOTrainer tests with the class swapped in (TRL {meta['trl']}, tests from {meta['tests_from']})",
         "",
@@ -178,33 +187,75 @@ def summarise(runs: dict, meta: dict) -> tuple[dict, str]:
         *(f"| {'GRPOTrainer' if w == 'grpo' else 'AsyncGRPOTrainer'} | {c['passed']} | {c['failed']} | {c['error']} "
           f"| {c['skipped']} | {runs[w]['seconds']} |" for w, c in counts.items()),
         "",
+        "(wall s: each run's whole time, not a speed comparison: tiny models, and each test starts its own workers.)",
+        "",
         f"Selected: `{meta['select'] or 'all'}`. AsyncGRPOTrainers the tests built in the swapped run: "
         f"{runs['async'].get('async_trainers_built', 0)}. Tests whose outcome differs:",
         "",
         "| test | GRPOTrainer | AsyncGRPOTrainer | why (AsyncGRPOTrainer) |",
         "|---|---|---|---|",
-        *(f"| `{n}` | {g.get('outcome')} | {a.get('outcome')} | {a.get('why', '').replace('|', '/')} |"
-          for n, g, a in differ),
+        *(f"| `{n}` | {g.get('outcome')} | {a.get('outcome')} | {cell(a.get('why', ''))} |" for n, g, a in differ),
+        "",
+        "Tests that fail under both classes, for different reasons (the swap may show behind such a failure):",
+        "",
+        "| test | why (GRPOTrainer) | why (AsyncGRPOTrainer) |",
+        "|---|---|---|",
+        *(f"| `{n}` | {cell(g.get('why', ''))} | {cell(a.get('why', ''))} |" for n, g, a in both),
+        "",
+        "Why tests fail or are skipped under GRPOTrainer itself (these say nothing about the swap):",
+        "",
+        "| cause | tests |",
+        "|---|---|",
+        *(f"| {cell(cause)} | {n} |" for cause, n in causes.items()),
     ]  # fmt: skip
     return result, "\n".join(lines) + "\n"
 
 
+def cell(text: str) -> str:
+    return text.replace("|", "/")[:240]
+
+
+def baseline_causes(tests: dict) -> dict[str, int]:
+    """GRPOTrainer's own failures and skips, grouped by the kind of their first line: a Hub model or dataset without
+    a stand-in here, a missing package, or anything else (by its exception type)."""
+    causes: dict[str, int] = {}
+    for t in tests.values():
+        if t["outcome"] == "passed":
+            continue
+        why = t["why"]
+        if "trl-internal-testing" in why or "huggingface.co" in why or "OfflineModeIsEnabled" in why:
+            cause = "loads a Hub model or dataset with no local stand-in"
+        elif t["outcome"] == "skipped":
+            cause = f"skipped: {why.split(':')[-1].strip()[:80]}"
+        else:
+            cause = f"other ({why.split(':')[0][:60]})"
+        causes[cause] = causes.get(cause, 0) + 1
+    return dict(sorted(causes.items(), key=lambda kv: -kv[1]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tests", type=Path, required=True, help="a TRL checkout's tests/ folder")
+    parser.add_argument("--tests", type=Path, help="a TRL checkout's tests/ folder")
+    parser.add_argument("--summarise", type=Path, help="write the tables again from a saved <out>.json, run nothing")
     parser.add_argument(
         "--tests_from", default="", help="what the tests are (a TRL version or commit), for the report"
     )
     parser.add_argument("-k", dest="select", default=None, help="pytest -k expression")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/trl_suite"))
+    parser.add_argument("--work", type=Path, default=Path("/tmp/trl_suite"), help="a scratch folder this script owns")
     parser.add_argument("--timeout_s", type=int, default=300)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/trl_grpo_suite")
     cli = parser.parse_args()
-    import trl
+    if cli.summarise:
+        saved = json.loads(cli.summarise.read_text())
+        runs, meta = saved["runs"], {k: saved[k] for k in ("trl", "tests_from", "select")}
+    elif cli.tests is None:
+        parser.error("--tests (a TRL checkout's tests/ folder) or --summarise (a saved result) is required")
+    else:
+        import trl
 
-    prepare(cli.work, cli.tests.resolve())
-    runs = {which: run(cli.work, which, cli.select, cli.timeout_s) for which in ("grpo", "async")}
-    meta = {"trl": trl.__version__, "tests_from": cli.tests_from or str(cli.tests), "select": cli.select}
+        prepare(cli.work, cli.tests.resolve())
+        runs = {which: run(cli.work, which, cli.select, cli.timeout_s) for which in ("grpo", "async")}
+        meta = {"trl": trl.__version__, "tests_from": cli.tests_from or str(cli.tests), "select": cli.select}
     result, table = summarise(runs, meta)
     cli.out.parent.mkdir(parents=True, exist_ok=True)
     cli.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
