@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# processor fields with one entry per prompt token (nonzero on image tokens): Gemma 3's token_type_ids, Qwen-VL's
+# mm_token_type_ids; a RolloutTask carries them beside its image inputs, and a worker left-pads them as the prompt ids
+PER_TOKEN_FIELDS = ("token_type_ids", "mm_token_type_ids")
+
 
 @dataclass(frozen=True, slots=True)
 class RolloutTask:
@@ -28,7 +32,8 @@ class RolloutTask:
     rows: tuple[int, ...] = ()
     max_new_tokens: int = 0  # 0: the generation config's
     # a vision-language prompt: the processor's other outputs for it (``pixel_values``, ``image_sizes``, ...), one
-    # entry per image along the first dimension (numpy arrays); empty for text prompts
+    # entry per image along the first dimension, or one per prompt token (``token_type_ids``; numpy arrays); empty
+    # for text prompts
     images: dict = field(default_factory=dict, compare=False)
 
     @property

@@ -9,7 +9,14 @@ import torch
 from datasets import Dataset
 
 from tests.conftest import async_args
-from tests.vision_model import IMAGE_TOKENS, random_image, save_tiny_llava
+from tests.vision_model import (
+    IMAGE_TOKENS,
+    random_image,
+    save_tiny_gemma3,
+    save_tiny_llava,
+    save_tiny_llava_next,
+    save_tiny_qwen_vl,
+)
 from trl_async import AsyncGRPOTrainer
 
 
@@ -56,6 +63,73 @@ def test_a_vision_language_model_trains_with_every_ratio_one_at_staleness_0(tmp_
     for row in rows:  # the processor's image tokens, one run of them per image, reached the workers
         assert row["prompt_ids"].count(image_token) == IMAGE_TOKENS * image_count(row["prompt_index"])
         assert image_token not in row["completion_ids"]
+
+
+@pytest.mark.parametrize(
+    "save", [save_tiny_gemma3, save_tiny_llava_next, save_tiny_qwen_vl], ids=["gemma3", "llava_next", "qwen2_5_vl"]
+)
+def test_processors_with_per_token_fields_or_tiles_train_with_every_ratio_one_at_staleness_0(tmp_path, save):
+    """Gemma 3's processor gives ``token_type_ids`` (one per prompt token), LLaVA-NeXT's tiles each image by its
+    shape (16x16: 3 tiles, 48x40: 5), Qwen2.5-VL's flattens a size-dependent number of patches and marks image tokens
+    in ``mm_token_type_ids`` (3-D rotary positions): the workers batch prompts of both sizes together, padded as
+    GRPOTrainer's batch is, and sample exactly what the trainer's forward gives for the same inputs."""
+    model_dir = str(save(tmp_path / "model"))
+    rows = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": f"what is {i}?"}],
+          "images": [random_image(10 * i + k, (16, 16) if i % 2 else (48, 40)) for k in range(image_count(i))]}
+         for i in range(8)]
+    )  # fmt: skip
+    args = async_args(tmp_path, max_steps=2, max_staleness=0, learning_rate=0.05)
+    trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=vowels, args=args, train_dataset=rows)
+    vision = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "visual" in n or "vision" in n}
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "is/ratio_min" in h]
+    assert len(logs) == 2
+    for h in logs:
+        assert abs(h["is/ratio_min"] - 1) < 1e-3 and abs(h["is/ratio_max"] - 1) < 1e-3, h
+    moved = [n for n, p in trainer.model.named_parameters() if n in vision and not torch.equal(p.detach(), vision[n])]
+    assert moved, "the vision tower received no gradient"
+
+
+@pytest.mark.parametrize(
+    "save", [save_tiny_gemma3, save_tiny_llava_next, save_tiny_qwen_vl], ids=["gemma3", "llava_next", "qwen_vl"]
+)
+def test_the_workers_batch_is_the_processors_batch_of_the_same_rows(tmp_path, save):
+    """Rows rendered one at a time (as the pool renders them) and batched by a worker give the model the inputs the
+    processor's own batched call gives for the same rows (GRPOTrainer's generate inputs): per-token fields
+    left-padded, tiles padded to the batch's most, images in row order; rows with 0, 1 and 2 images of two sizes."""
+    from transformers import AutoProcessor
+
+    from trl_async.engines.transformers.decoding import left_padded
+    from trl_async.engines.transformers.worker import batched_images
+    from trl_async.records import RolloutTask
+    from trl_async.rollout.images import prompt_with_images
+
+    processor = AutoProcessor.from_pretrained(str(save(tmp_path / "model")), padding_side="left")
+    sizes = [(16, 16), (48, 40), (20, 36)]
+    prompts = [
+        prompt_with_images([{"role": "user", "content": f"what is {i}?"}],
+                           [random_image(10 * i + k, sizes[(i + k) % 3]) for k in range(i % 3)] or None)
+        for i in range(6)
+    ]  # fmt: skip
+
+    def render(conversations):
+        return processor.apply_chat_template(conversations, add_generation_prompt=True, tokenize=True,
+                                             return_dict=True, return_tensors="pt", padding=True)  # fmt: skip
+
+    tasks = []
+    for prompt in prompts:
+        out = render([prompt])
+        fields = {k: v.numpy() for k, v in out.items() if k not in ("input_ids", "attention_mask")}
+        tasks.append(RolloutTask(0, 0, tuple(out["input_ids"][0].tolist()), 0, images=fields))
+    input_ids, _ = left_padded([t.prompt_ids for t in tasks], processor.tokenizer.pad_token_id)
+    ours = batched_images(tasks, [1] * len(tasks), input_ids.size(1), "cpu")
+    theirs = render(prompts)
+    assert torch.equal(input_ids, theirs["input_ids"])
+    assert set(ours) == set(theirs) - {"input_ids", "attention_mask"}
+    for key, value in theirs.items():
+        if key not in ("input_ids", "attention_mask"):
+            assert torch.equal(ours[key], value), key
 
 
 def test_a_stale_policy_is_corrected_on_image_prompts(tmp_path, llava_dir):

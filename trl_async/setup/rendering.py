@@ -8,6 +8,7 @@ import copy
 
 from trl.data_utils import is_conversational
 
+from ..records import PER_TOKEN_FIELDS
 from ..rollout.images import prompt_with_images, row_images
 
 
@@ -42,13 +43,20 @@ def make_tokenize_row(p):
                 f"{completion} that exceeds the model's max_position_embeddings={limit}. Filter long prompts "
                 "out of the dataset or lower max_completion_length."
             )
-        unsupported = sorted(set(images) - IMAGE_FIELDS)
+        unsupported = sorted(set(images) - IMAGE_FIELDS - set(PER_TOKEN_FIELDS))
         if unsupported:
             raise ValueError(
                 f"train_dataset row {index}: the processor gives {unsupported} beside the pixel values, which the "
-                f"rollout workers do not batch yet (they take {sorted(IMAGE_FIELDS)}: LLaVA-style processors). Use "
+                f"rollout workers do not batch yet (they take {sorted(IMAGE_FIELDS | set(PER_TOKEN_FIELDS))}). Use "
                 "trl.GRPOTrainer for this model."
             )
+        for key in set(PER_TOKEN_FIELDS) & set(images):
+            if images[key].size != len(ids):
+                raise ValueError(
+                    f"train_dataset row {index}: the processor's {key} has {images[key].size} entries for a prompt of "
+                    f"{len(ids)} tokens; the rollout workers need one per prompt token. Use trl.GRPOTrainer for this "
+                    "model."
+                )
         return ids, images
 
     def _tokenize(prompt, images: list | None) -> tuple[tuple[int, ...], dict]:
@@ -76,8 +84,9 @@ def make_tokenize_row(p):
     return tokenize_row
 
 
-# the processor outputs the workers batch: one entry per image along the first dimension (LLaVA, Qwen-VL's flattened
-# patches with their grid); per-token fields and per-call padding (token_type_ids, pixel_attention_mask) are refused
+# the processor outputs the workers batch: one entry per image along the first dimension (LLaVA; LLaVA-NeXT's tiles,
+# padded per batch; Qwen-VL's flattened patches with their grid), and one per prompt token (PER_TOKEN_FIELDS); fields
+# padded per call in other ways (Idefics' pixel_attention_mask) are refused
 IMAGE_FIELDS = {"pixel_values", "image_sizes", "image_grid_thw"}
 MULTIMODAL_NEEDS_MESSAGES = (
     "a train_dataset row with images needs a conversational prompt (a list of messages), as GRPOTrainer requires: "

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ...records import LaneFailed, RolloutGroup, RolloutTask, WeightsAdopted, WorkerReady
+from ...records import PER_TOKEN_FIELDS, LaneFailed, RolloutGroup, RolloutTask, WeightsAdopted, WorkerReady
 from ...weights.lora_merge import LoraMerge, merge_adapters
 from ...weights.shared_memory import SharedMemoryWeights, weights_digest
 from .decoding import NEUTRAL_SAMPLING, DecodeStepHook, left_padded, split_sampling_warpers
@@ -84,7 +84,7 @@ def generate_groups(
     row_budget = [b for b, task_rows in zip(budgets, per_task, strict=True) for _ in task_rows]
     input_ids, attention_mask = left_padded(rows, pad_token_id)
     width = input_ids.size(1)
-    image_inputs = batched_images(tasks, [len(task_rows) for task_rows in per_task], device)
+    image_inputs = batched_images(tasks, [len(task_rows) for task_rows in per_task], width, device)
 
     # beam search is not a sampling policy: its tokens have no behaviour log-prob (mu is NaN: they train uncorrected,
     # as with GRPOTrainer's own generation), and the weights stay those of the call's start (beams are reordered
@@ -157,25 +157,59 @@ def generate_groups(
     return groups
 
 
-def batched_images(tasks: Sequence[RolloutTask], rows_per_task: Sequence[int], device) -> dict:
-    """The image inputs of a batch whose rows are each task's prompt ``rows_per_task`` times: every field of the
-    tasks' ``images`` (one entry per image along the first dimension) repeated per row, in row order, as a
-    vision-language model's forward matches images to the image tokens of its rows in order."""
+def batched_images(tasks: Sequence[RolloutTask], rows_per_task: Sequence[int], width: int, device) -> dict:
+    """The image inputs of a batch whose rows are each task's prompt ``rows_per_task`` times, left-padded to
+    ``width``, as the processor's own batched call gives them for those rows: each image field of the tasks'
+    ``images`` (one entry per image along the first dimension) repeated per row, in row order, as a vision-language
+    model's forward matches images to the image tokens of its rows in order; each per-token field
+    (``PER_TOKEN_FIELDS``) one row per row, left-padded with zeros (all zeros for a task without it). LLaVA-NeXT's
+    tiles (``pixel_values`` of one entry per image and tile, beside ``image_sizes``) are padded with zeros to the
+    batch's most, as its processor pads a batch; the model reads each image's real count from ``image_sizes``."""
     batched = {}
     for key in sorted({key for task in tasks for key in task.images}):
+        if key in PER_TOKEN_FIELDS:
+            rows = [per_token_row(task, key, width) for task, n in zip(tasks, rows_per_task, strict=True)
+                    for _ in range(n)]  # fmt: skip
+            batched[key] = torch.stack(rows).to(device)
+            continue
         parts = [
             torch.as_tensor(task.images[key])
             for task, n in zip(tasks, rows_per_task, strict=True)
             if key in task.images
             for _ in range(n)
         ]
-        if len({tuple(p.shape[1:]) for p in parts}) > 1:
-            raise ValueError(
-                f"the prompts of one batch have {key} of different shapes ({sorted({tuple(p.shape) for p in parts})}):"
-                " a processor that pads its image inputs per call is not supported on the rollout workers yet"
-            )
-        batched[key] = torch.cat(parts).to(device)
+        tiled = key == "pixel_values" and any("image_sizes" in task.images for task in tasks)
+        batched[key] = torch.cat(padded_tiles(key, parts) if tiled else same_shape(key, parts)).to(device)
     return batched
+
+
+def per_token_row(task: RolloutTask, key: str, width: int) -> torch.Tensor:
+    if task.contexts:
+        raise ValueError(f"{key}: a per-token image field cannot follow a later turn's context")
+    if key not in task.images:
+        return torch.zeros(width, dtype=torch.long)
+    row = torch.as_tensor(task.images[key]).reshape(-1)
+    if row.numel() != len(task.prompt_ids):
+        raise ValueError(f"{key} has {row.numel()} entries for a prompt of {len(task.prompt_ids)} tokens")
+    return torch.nn.functional.pad(row, (width - row.numel(), 0))
+
+
+def same_shape(key: str, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    if len({tuple(p.shape[1:]) for p in parts}) > 1:
+        raise ValueError(
+            f"the prompts of one batch have {key} of different shapes ({sorted({tuple(p.shape) for p in parts})}):"
+            " a processor that pads its image inputs per call is not supported on the rollout workers"
+        )
+    return parts
+
+
+def padded_tiles(key: str, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tiled images (``num_images x tiles x channels x height x width``) padded with zeros to the most tiles; any
+    other difference of shape is a ``ValueError``."""
+    if any(p.dim() != 5 for p in parts) or len({tuple(p.shape[2:]) for p in parts}) > 1:
+        return same_shape(key, parts)
+    most = max(p.size(1) for p in parts)
+    return [torch.nn.functional.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.size(1))) for p in parts]
 
 
 def build_policy_copy(spec: WorkerSpec) -> torch.nn.Module:
