@@ -101,15 +101,9 @@ def save_tiny_gemma3(path: str | Path, seed: int = 0, tokenizer=None) -> Path:
 
     path, tokenizer = Path(path), _tokenizer("<start_of_image>", GEMMA3_SPECIAL, tokenizer)
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in GEMMA3_SPECIAL.items()}
-    vision = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=32,
-        patch_size=8,
-        vision_use_head=False,
-    )  # fmt: skip  (Gemma 3 reads the patches, not a pooled head)
+    # Gemma 3 reads the patches, not a pooled head
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8, vision_use_head=False)  # fmt: skip
     text = _text_config(tokenizer, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
     config = Gemma3Config(text_config=text, vision_config=vision,
                           mm_tokens_per_image=4, image_token_index=ids["image_token"],
@@ -176,15 +170,9 @@ def save_tiny_qwen_vl(path: str | Path, seed: int = 0, tokenizer=None, version: 
     shared = dict(num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
     if version == "2.5":
         classes = ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor")
-        vision = dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            out_hidden_size=32,
-            window_size=28,
-            fullatt_block_indexes=[1],
-            **shared,
-        )  # fmt: skip  (layer 0 attends within windows)
+        # layer 0 attends within windows, layer 1 across the image
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=32, window_size=28,
+                      fullatt_block_indexes=[1], **shared)  # fmt: skip
     else:
         classes = ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor")
         vision = dict(depth=1, embed_dim=32, hidden_size=32, mlp_ratio=2, **shared)
