@@ -4,8 +4,8 @@ Threads in the trainer process (none of them runs a collective or touches the tr
   * the *dispatcher* hands ``RolloutTask``s to the workers while admission control allows (staleness bound and
     ``queue_size``), taking prompts from the ``PromptStream``;
   * the *collector* receives lane messages and watches the lanes (exits, heartbeats; lanes.py);
-  * the *scoring threads* (``scoring_threads``, 1 by default) score each finished group with the reward functions, so
-    rewards are ready before the trainer asks for them, and a slow reward never delays the collector.
+  * the *scoring threads* (``scoring_threads``, 1 by default; scoring.py) score each finished group with the reward
+    functions, so rewards are ready before the trainer asks for them, and a slow reward never delays the collector.
 The trainer's main thread calls ``publish`` (new weights) and ``take`` (the next scored groups; stale ones are dropped,
 counted and their prompts re-queued). Every wait is bounded and checks worker health, so a dead worker or a failing
 reward function surfaces as an exception on the main thread, never as a hang.
@@ -34,6 +34,7 @@ from .lanes import Lanes, RolloutLaneError  # noqa: F401 - raised to the trainer
 from .prompts import PromptStream
 from .readouts import PoolReadouts
 from .scored import ScoredGroup, TakeStats, TakeTally
+from .scoring import PoolScoring
 from .staleness import staleness, trainable
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ class PoolSettings:
     consumption_window: int | None = None  # None: arrival order; k: admission order within k groups (consumption.py)
 
 
-class RolloutPool(PoolReadouts):
+class RolloutPool(PoolReadouts, PoolScoring):
     def __init__(
         self,
         backend: Backend,
@@ -202,15 +203,7 @@ class RolloutPool(PoolReadouts):
                     self._ready.extendleft(reversed(taken))  # back in front, in order (staleness worked out again)
                     return None
                 if time.perf_counter() > deadline:
-                    raise TimeoutError(
-                        f"waited {self.settings.timeout_s:.0f}s (rollout_timeout_s) for {n - len(taken)} more rollout "
-                        f"groups at trainer version {consumer_version}; published version {self._ledger.published}, "
-                        f"admitted {self._ledger.admitted}, consumed {self._ledger.consumed}, filtered "
-                        f"{self.filtered_groups} (dynamic_sampling); the lanes (workers or servers): versions "
-                        f"{self.lane_versions}, alive {[w.is_alive() for w in self.lanes.current]}, taking work "
-                        f"{[w.max_outstanding > 0 for w in self.lanes.current]}; ready {len(self._ready)} "
-                        f"(rollout_consumption_window={self.settings.consumption_window}); {self._scoring_state()}"
-                    )
+                    raise self._take_timeout(n - len(taken), consumer_version)
                 self._cv.wait(timeout=0.2)
             self._ledger.consume(n)
             self._prompts.taken([self._forget(g.group.group_id) for g in taken], consumer_version)
@@ -406,64 +399,6 @@ class RolloutPool(PoolReadouts):
             self._prompts.push_front(self._forget(task.group_id), task.prompt_index)
         self._ledger.give_back(len(first_turns))
         self._later_turns.extendleft(reversed(later_turns))
-
-    def _score_loop(self) -> None:
-        """Score finished groups with the reward functions, one at a time per scoring thread (admission bounds how
-        many can wait here)."""
-        while not self._stop:
-            try:
-                group = self._to_score.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            with self._cv:
-                # dropped now, before its (possibly expensive) reward calls
-                if self._ledger.too_stale_already(group.token_versions):
-                    self.dropped_unscored += 1
-                    self._drop_stale(group)
-                    continue
-                row = self._rows[group.group_id]
-            started = time.time()
-            environments = self._episodes.instances(group.group_id) if self._episodes is not None else None
-            with self._cv:
-                self._scoring[group.group_id] = time.monotonic()
-            try:
-                scored = self._score_group(group, row, environments)
-            finally:
-                with self._cv:
-                    del self._scoring[group.group_id]
-                if environments is not None:
-                    self._episodes.release(group.group_id)
-            self.activity.append(("score", group.lane_id, started, time.time()))
-            with self._cv:
-                self._abandoned_in_a_row = 0
-                self._tally.tokens += group.num_sampled_tokens
-                if self._keep is not None:
-                    if not self._keep(scored.rewards):
-                        if self._ledger.too_stale_already(group.token_versions):
-                            self._drop_stale(group)  # went stale while scored: generated again, as any stale group
-                        else:
-                            self._filter(group)
-                        continue
-                    self._tally.kept += 1
-                self._ready.append(scored)
-                self._cv.notify_all()
-
-    def _scoring_state(self) -> str:
-        """Where finished groups are in scoring (a hung reward function shows here, not as a worker fault)."""
-        started = list(self._scoring.values())
-        longest = f", the longest for {time.monotonic() - min(started):.0f}s" if started else ""
-        waiting = self._to_score.qsize()
-        return f"{len(started)} group(s) inside reward functions{longest}; {waiting} waiting to be scored"
-
-    def _filter(self, group: RolloutGroup) -> None:
-        """Dynamic sampling: ``group`` has no signal. Its admission slot goes to a new prompt; its own prompt is done
-        for the stream and for resuming, whatever a checkpoint's step (a checkpoint reads the stream when it is saved,
-        so it counts only what was filtered before). Caller holds the lock."""
-        self._ledger.give_back()
-        self.filtered_groups += 1
-        self._tally.filtered += 1
-        self._prompts.taken([self._forget(group.group_id)], -(2**62))
-        self._cv.notify_all()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

@@ -10,8 +10,8 @@ from ..records import RolloutTask
 
 
 class PoolReadouts:
-    """Mixed into ``RolloutPool``: reads its ``backend``, ``lanes``, ``_ledger``, ``_ready``, ``_episodes`` and
-    ``_cv``."""
+    """Mixed into ``RolloutPool``: reads its ``backend``, ``lanes``, ``_ledger``, ``_ready``, ``_episodes``,
+    ``settings``, ``filtered_groups`` and ``_cv``."""
 
     @property
     def publish_target(self) -> dict[str, torch.Tensor]:
@@ -66,3 +66,16 @@ class PoolReadouts:
         """Scored groups waiting for the trainer."""
         with self._cv:
             return len(self._ready)
+
+    def _take_timeout(self, missing: int, consumer_version: int) -> TimeoutError:
+        """What ``take`` raises when ``missing`` groups did not come in time: where every group is (caller holds the
+        lock)."""
+        return TimeoutError(
+            f"waited {self.settings.timeout_s:.0f}s (rollout_timeout_s) for {missing} more rollout "
+            f"groups at trainer version {consumer_version}; published version {self._ledger.published}, "
+            f"admitted {self._ledger.admitted}, consumed {self._ledger.consumed}, filtered "
+            f"{self.filtered_groups} (dynamic_sampling); the lanes (workers or servers): versions "
+            f"{self.lane_versions}, alive {[w.is_alive() for w in self.lanes.current]}, taking work "
+            f"{[w.max_outstanding > 0 for w in self.lanes.current]}; ready {len(self._ready)} "
+            f"(rollout_consumption_window={self.settings.consumption_window}); {self._scoring_state()}"
+        )

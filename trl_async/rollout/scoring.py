@@ -15,7 +15,9 @@ import contextlib
 import copy
 import inspect
 import logging
+import queue
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -281,3 +283,69 @@ def group_scorer(new_scorer: Callable[[], RewardScorer], processing_class, group
         return ScoredGroup(group, 0, rewards, extra_logs, metrics, row)
 
     return score_group, scorers
+
+
+class PoolScoring:
+    """The pool's scoring threads, mixed into ``RolloutPool``: each takes a finished group, drops it if it can no
+    longer train (before its reward calls), scores it (``score_group``: ``group_scorer`` below) and queues it for
+    ``take``, or gives its slot back when dynamic sampling rejects it. Reads the pool's ``_to_score``, ``_cv``,
+    ``_ledger``, ``_rows``, ``_episodes``, ``_scoring``, ``_score_group``, ``_keep``, ``_tally``, ``_ready`` and
+    ``_prompts``."""
+
+    def _score_loop(self) -> None:
+        """Score finished groups with the reward functions, one at a time per scoring thread (admission bounds how
+        many can wait here)."""
+        while not self._stop:
+            try:
+                group = self._to_score.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            with self._cv:
+                # dropped now, before its (possibly expensive) reward calls
+                if self._ledger.too_stale_already(group.token_versions):
+                    self.dropped_unscored += 1
+                    self._drop_stale(group)
+                    continue
+                row = self._rows[group.group_id]
+            started = time.time()
+            environments = self._episodes.instances(group.group_id) if self._episodes is not None else None
+            with self._cv:
+                self._scoring[group.group_id] = time.monotonic()
+            try:
+                scored = self._score_group(group, row, environments)
+            finally:
+                with self._cv:
+                    del self._scoring[group.group_id]
+                if environments is not None:
+                    self._episodes.release(group.group_id)
+            self.activity.append(("score", group.lane_id, started, time.time()))
+            with self._cv:
+                self._abandoned_in_a_row = 0
+                self._tally.tokens += group.num_sampled_tokens
+                if self._keep is not None:
+                    if not self._keep(scored.rewards):
+                        if self._ledger.too_stale_already(group.token_versions):
+                            self._drop_stale(group)  # went stale while scored: generated again, as any stale group
+                        else:
+                            self._filter(group)
+                        continue
+                    self._tally.kept += 1
+                self._ready.append(scored)
+                self._cv.notify_all()
+
+    def _scoring_state(self) -> str:
+        """Where finished groups are in scoring (a hung reward function shows here, not as a worker fault)."""
+        started = list(self._scoring.values())
+        longest = f", the longest for {time.monotonic() - min(started):.0f}s" if started else ""
+        waiting = self._to_score.qsize()
+        return f"{len(started)} group(s) inside reward functions{longest}; {waiting} waiting to be scored"
+
+    def _filter(self, group: RolloutGroup) -> None:
+        """Dynamic sampling: ``group`` has no signal. Its admission slot goes to a new prompt; its own prompt is done
+        for the stream and for resuming, whatever a checkpoint's step (a checkpoint reads the stream when it is saved,
+        so it counts only what was filtered before). Caller holds the lock."""
+        self._ledger.give_back()
+        self.filtered_groups += 1
+        self._tally.filtered += 1
+        self._prompts.taken([self._forget(group.group_id)], -(2**62))
+        self._cv.notify_all()
