@@ -171,10 +171,11 @@ def summarise(runs: dict, meta: dict) -> tuple[dict, str]:
         *(f"| {label[w]} | {c['passed']} | {c['failed']} | {c['error']} "
           f"| {c['skipped']} | {runs[w]['seconds']} |" for w, c in counts.items()),
         "",
-        "(wall s: each class's time, summed over its runs; not a speed comparison: tiny models, and each test starts its own workers.)",
+        "(wall s: each class's time, summed over its runs; not a speed comparison: tiny models, and each test starts"
+        " its own workers.)",
         "",
-        f"Selected: `{meta['select'] or 'all'}`{assembled(meta)}. AsyncGRPOTrainers the tests built in the swapped run: "
-        f"{runs['async'].get('async_trainers_built', 0)}. Tests whose outcome differs:",
+        f"Selected: `{meta['select'] or 'all'}`{assembled(meta)}. AsyncGRPOTrainers the tests built (the swapped "
+        f"run, all its parts): {runs['async'].get('async_trainers_built', 0)}. Tests whose outcome differs:",
         "",
         "| test | GRPOTrainer | AsyncGRPOTrainer | why (AsyncGRPOTrainer) |",
         "|---|---|---|---|",
@@ -251,6 +252,8 @@ def main() -> None:
         help="merge this run's tests into the saved <out>.json instead of replacing it",
     )
     cli = parser.parse_args()
+    if cli.only and "before" in cli.only.split(",") and not cli.before:
+        parser.error("--only before needs --before REV (the commit to run)")
     if cli.summarise:
         saved = json.loads(cli.summarise.read_text())
         runs, meta = saved["runs"], {k: v for k, v in saved.items() if k in META}
@@ -266,7 +269,10 @@ def main() -> None:
             meta["select"] = cli.select
         prepare(cli.work, cli.tests.resolve())
         if cli.before:
-            meta["before"] = extract_before(cli.work, cli.before)
+            commit = extract_before(cli.work, cli.before)
+            if meta.get("before", commit) != commit and "before" in saved["runs"]:
+                parser.error(f"--update: the saved result ran --before {meta['before'][:7]}, not {commit[:7]}")
+            meta["before"] = commit
         classes = cli.only.split(",") if cli.only else ["grpo", "async", *(["before"] if cli.before else [])]
         # what each run of an assembled result ran: the selection, and the classes (a later run's outcomes replace)
         meta["parts"] = [*meta.get("parts", []), {"classes": classes, "select": cli.select}]

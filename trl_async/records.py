@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 # processor fields with one entry per prompt token (nonzero on image tokens): Gemma 3's token_type_ids, Qwen-VL's
 # mm_token_type_ids; a RolloutTask carries them beside its image inputs, and a worker left-pads them as the prompt ids
-PER_TOKEN_FIELDS = ("token_type_ids", "mm_token_type_ids")
+PER_TOKEN_FIELDS = frozenset({"token_type_ids", "mm_token_type_ids"})
 
 
 @dataclass(frozen=True, slots=True)

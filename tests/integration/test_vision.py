@@ -92,12 +92,13 @@ def test_processors_with_per_token_fields_or_tiles_train_with_every_ratio_one_at
 
 
 @pytest.mark.parametrize(
-    "save", [save_tiny_gemma3, save_tiny_llava_next, save_tiny_qwen_vl], ids=["gemma3", "llava_next", "qwen_vl"]
+    "save", [save_tiny_gemma3, save_tiny_llava_next, save_tiny_qwen_vl], ids=["gemma3", "llava_next", "qwen2_5_vl"]
 )
 def test_the_workers_batch_is_the_processors_batch_of_the_same_rows(tmp_path, save):
-    """Rows rendered one at a time (as the pool renders them) and batched by a worker give the model the inputs the
-    processor's own batched call gives for the same rows (GRPOTrainer's generate inputs): per-token fields
-    left-padded, tiles padded to the batch's most, images in row order; rows with 0, 1 and 2 images of two sizes."""
+    """Rows rendered one at a time by the processor (as the pool renders them) and batched by a worker give the model
+    the inputs the processor's own batched call gives for the same rows (GRPOTrainer's generate inputs): per-token
+    fields left-padded, tiles padded to the batch's most, images in row order; rows with 0, 1 and 2 images of two
+    sizes."""
     from transformers import AutoProcessor
 
     from trl_async.engines.transformers.decoding import left_padded

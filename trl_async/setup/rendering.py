@@ -43,14 +43,14 @@ def make_tokenize_row(p):
                 f"{completion} that exceeds the model's max_position_embeddings={limit}. Filter long prompts "
                 "out of the dataset or lower max_completion_length."
             )
-        unsupported = sorted(set(images) - IMAGE_FIELDS - set(PER_TOKEN_FIELDS))
+        unsupported = sorted(set(images) - IMAGE_FIELDS - PER_TOKEN_FIELDS)
         if unsupported:
             raise ValueError(
                 f"train_dataset row {index}: the processor gives {unsupported} beside the pixel values, which the "
-                f"rollout workers do not batch yet (they take {sorted(IMAGE_FIELDS | set(PER_TOKEN_FIELDS))}). Use "
+                f"rollout workers do not batch (they take {sorted(IMAGE_FIELDS | PER_TOKEN_FIELDS)}). Use "
                 "trl.GRPOTrainer for this model."
             )
-        for key in set(PER_TOKEN_FIELDS) & set(images):
+        for key in PER_TOKEN_FIELDS & set(images):
             if images[key].size != len(ids):
                 raise ValueError(
                     f"train_dataset row {index}: the processor's {key} has {images[key].size} entries for a prompt of "
