@@ -189,3 +189,47 @@ def test_images_inside_the_messages_reach_the_workers_as_from_an_image_column(tm
     assert len(logs) == 2 and all(
         abs(h["is/ratio_min"] - 1) < 1e-3 and abs(h["is/ratio_max"] - 1) < 1e-3 for h in logs
     )
+
+
+def with_output(processor, key: str, value_of):
+    """``processor`` whose chat-template output also carries ``key`` (``value_of(output)``), as another model
+    family's processor would."""
+    base = type(processor)
+
+    class Extra(base):
+        def apply_chat_template(self, *args, **kwargs):
+            out = base.apply_chat_template(self, *args, **kwargs)
+            out[key] = value_of(out)
+            return out
+
+    processor.__class__ = Extra
+    return processor
+
+
+@pytest.mark.parametrize(
+    "key,value_of,says",
+    [
+        ("pixel_attention_mask", lambda out: torch.ones(1, 1, 16, 16, dtype=torch.long),
+         r"row 0: the processor gives \['pixel_attention_mask'\] beside the pixel values"),
+        ("token_type_ids", lambda out: torch.zeros(1, out["input_ids"].size(1) - 1, dtype=torch.long),
+         r"row 0: the processor's token_type_ids has \d+ entries for a prompt of \d+ tokens"),
+    ],
+    ids=["unknown_field", "per_token_field_of_another_length"],
+)  # fmt: skip
+def test_a_row_the_workers_cannot_batch_is_refused_with_the_row_and_the_field_named(llava_dir, key, value_of, says):
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, AutoProcessor
+
+    from trl_async.setup.rendering import make_tokenize_row
+
+    inputs = SimpleNamespace(
+        processing_class=with_output(AutoProcessor.from_pretrained(llava_dir), key, value_of),
+        chat_template=None, chat_template_kwargs={}, tools=None,
+        model=SimpleNamespace(config=AutoConfig.from_pretrained(llava_dir)),
+        sampling=SimpleNamespace(max_completion_length=8),
+    )  # fmt: skip
+    tokenize_row = make_tokenize_row(inputs)
+    row = vision_rows(1)[0]
+    with pytest.raises(ValueError, match=says):
+        tokenize_row(0, row)
