@@ -17,8 +17,9 @@ The runner works two tracks at once:
 - *side*: the verdicts, on a tiny model with a server of its own (eager: no compile, no CUDA graphs), from the moment
   vLLM and the wheels are there, while the real model is still travelling;
 - *main*: the real model's conversion and the benchmark's server (compiled, with CUDA graphs: its phases measure
-  speed), the worker's start profiled while the verdicts finish, then, alone on the GPU, in order of value: the
-  benchmark, the colocate pair, the transformers workers' engines.
+  speed), the worker's start profiled and the FSDP2 verdict (a tiny model of its own, the transformers workers) run
+  while the side track's verdicts finish, then, alone on the GPU, in order of value: the benchmark, the colocate
+  pair, the transformers workers' engines.
 
 Every server is started with a fixed KV-cache size (``--kv-cache-memory-bytes``: no memory measurement, which fails
 when another process frees memory meanwhile) and a small ``--gpu_memory_utilization`` (vLLM refuses to start unless
@@ -80,6 +81,8 @@ PHASES = (
     Phase("bench_server", "main", VWM, 130, 240),
     # a profile, not a comparison: it runs while the main track waits for the side track
     Phase("worker_start", "main", ("wheels", "model"), 40, 180),
+    # a verdict on a tiny model of its own, beside the side track's
+    Phase("fsdp2", "main", ("wheels",), 60, 240),
     Phase("generation_alone", "main", VWM, 15, 120, alone=True),
     Phase("sync_server", "main", VWM, 50, 60, alone=True),
     Phase("async_s1", "main", VWM, 40, 180, alone=True),

@@ -242,9 +242,9 @@ class Runner:
                         f"num_machines: 1\nnum_processes: 1\nmachine_rank: 0\nuse_cpu: false\n")  # fmt: skip
         process, command, url = self.servers["verdict"]
         out = self.results / "zero3.verdict.json"
-        argv = self.python("-m", "accelerate.commands.launch", "--config_file", str(yaml), str(HERE / "gpu_check.py"),
-                           "--out", str(out), "--model", self.tiny, "--url", url, "--steps", "6",
-                           "--device", "cpu" if self.dry else "cuda")  # fmt: skip
+        argv = self.python("-m", "accelerate.commands.launch", "--config_file", str(yaml), "--main_process_port",
+                           str(free_port()), str(HERE / "gpu_check.py"), "--out", str(out), "--model", self.tiny,
+                           "--url", url, "--steps", "6", "--device", "cpu" if self.dry else "cuda")  # fmt: skip
         env = {
             **self.env(),
             "GPU_CHECK_RESTART": json.dumps(command),
@@ -257,11 +257,7 @@ class Runner:
         if pgid.exists():  # the restarted server: stopped with the side track
             with self.lock:
                 self.servers["verdict_restarted"] = (_Group(int(pgid.read_text())), command, url)
-        if not out.exists():
-            return {**outcome, "status": "failed" if outcome["status"] == "ok" else outcome["status"]}
-        verdict = json.loads(out.read_text())
-        return {**outcome, "status": "ok" if verdict.get("ok") and outcome["status"] == "ok" else "failed",
-                "verdict": verdict}  # fmt: skip
+        return with_verdict(outcome, out)
 
     # ---- the main track -----------------------------------------------------------------------------------------
     def phase_convert(self, phase: Phase, box: float) -> dict:
@@ -344,6 +340,22 @@ class Runner:
             time.sleep(1)
         return left
 
+    def phase_fsdp2(self, phase: Phase, box: float) -> dict:
+        """accelerate's FSDP2 (the shipped recipe, one process) with the transformers workers on a tiny model of its
+        own: a verdict (benchmarks/gpu_check.py), run beside the side track's."""
+        end, tiny = time.time() + box, self.stage / "tiny_fsdp2"
+        made = self.command(phase, self.python("-c", f"from trl_async.demo.tiny import save_tiny_model; "
+                                                      f"save_tiny_model({str(tiny)!r}, hidden_size=64, num_heads=2)"),
+                            box)  # fmt: skip
+        if made["status"] != "ok":
+            return made
+        out = self.results / "fsdp2.verdict.json"
+        argv = self.python("-m", "accelerate.commands.launch", "--config_file", str(REPO / "recipes/accelerate/fsdp2.yaml"),
+                           "--num_processes", "1", "--main_process_port", str(free_port()), str(HERE / "gpu_check.py"),
+                           "--mode", "fsdp2", "--out", str(out), "--model", str(tiny), "--steps", "4",
+                           "--device", "cpu" if self.dry else "cuda")  # fmt: skip
+        return with_verdict(self.command(phase, argv, max(1.0, end - time.time())), out)
+
     def phase_transformers(self, phase: Phase, box: float) -> dict:
         argv = self.python(str(HERE / "continuous_batching.py"), "--model", self.model)
         argv += (["--device", "cpu", "--slots", "2", "4", "--prompts", "6", "--max_new_tokens", "8"] if self.dry
@@ -354,6 +366,15 @@ class Runner:
         device = ["--device", "cpu" if self.dry else "cuda"]
         argv = self.python(str(HERE / "worker_start.py"), "--model", self.model, *device, "--steps", "4")
         return self.command(phase, argv, box)
+
+
+def with_verdict(outcome: dict, out: Path) -> dict:
+    """A verdict run's outcome with the verdict it wrote: "ok" only if it ran to the end and its verdict says ok."""
+    if not out.exists():
+        return {**outcome, "status": "failed" if outcome["status"] == "ok" else outcome["status"]}
+    verdict = json.loads(out.read_text())
+    return {**outcome, "status": "ok" if verdict.get("ok") and outcome["status"] == "ok" else "failed",
+            "verdict": verdict}  # fmt: skip
 
 
 class _Group:

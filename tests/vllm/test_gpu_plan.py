@@ -31,6 +31,7 @@ def test_the_gpu_plan_runs_end_to_end_on_a_cpu_and_an_overrun_phase_is_cut_while
         "async_colocate_s0": "ok",
         "transformers": "ok",
         "worker_start": "ok",
+        "fsdp2": "ok",
     }, json.dumps(plan["phases"], indent=1)[-4000:]
     phases = plan["phases"]
     assert phases["async_s2"]["why"] == "its box of 4 s ran out" and phases["async_s2"]["elapsed_s"] < 10
@@ -39,7 +40,12 @@ def test_the_gpu_plan_runs_end_to_end_on_a_cpu_and_an_overrun_phase_is_cut_while
     # greedy output then equals the trained model's
     verdict = phases["zero3"]["verdict"]
     assert verdict["ok"] and all(verdict["greedy_matches"]) and len(verdict["reattached"]) == 1
-    assert verdict["steps"] == 6 and verdict["zero3_params"] > 0
+    assert verdict["steps"] == 6 and verdict["zero3_params"] > 0 and verdict["greedy_moved"]
+    # FSDP2 (one process, the shipped recipe) with the transformers workers: every parameter sharded, every adoption
+    # verified, the workers' last weights the gathered ones, every ratio 1 at staleness 0
+    fsdp2 = phases["fsdp2"]["verdict"]
+    assert fsdp2["ok"] and fsdp2["fsdp_version"] == 2 and fsdp2["sharded_params"] == fsdp2["params"] > 0
+    assert fsdp2["compared"] == fsdp2["params"] and not fsdp2["mismatches"] and fsdp2["verified_adoptions"] >= 4
 
     # the calls: the model, last to travel, arrived with call 4; each piece was unpacked once, when complete
     calls = plan["calls"]
@@ -59,7 +65,8 @@ def test_the_gpu_plan_runs_end_to_end_on_a_cpu_and_an_overrun_phase_is_cut_while
     # at max_staleness 0 every sample comes from the weights being trained: its ratio is 1
     assert all(abs(s["ratio_mean"] - 1) < 0.01 for s in bench["runs"]["async_colocate_s0"]["steps"])
     with tarfile.open(out / "logs.tgz") as tar:
-        assert {"zero3.log", "server_verdict.log", "server_bench.log", "runner.log"} <= set(tar.getnames())
+        logs = set(tar.getnames())
+    assert {"zero3.log", "fsdp2.log", "server_verdict.log", "server_bench.log", "runner.log"} <= logs
 
     # nothing of the plan is left running: no server, no runner, no cut phase's processes
     assert not Path(f"/proc/{(work / 'stage' / 'runner.pid').read_text().strip()}").exists()
