@@ -11,6 +11,9 @@ image tokens, each saved with its processor:
   grid (``image_grid_thw``), and ``mm_token_type_ids`` marks the image tokens, which place the 3-D rotary positions.
   Their processors need a video processor, which needs torchvision; without it, ``images_only_qwen_vl`` lets them be
   built and loaded for images alone.
+- Qwen3.5: as Qwen2.5-VL with 16x16 patches (Qwen3-VL's processor), interleaved 3-D rotary positions, and a language
+  model of one linear-attention (gated delta rule) layer and one full-attention layer: its cache is not a plain KV
+  cache.
 
 Images are random RGB."""
 
@@ -159,7 +162,8 @@ QWEN_VL_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|vide
 
 
 def save_tiny_qwen_vl(path: str | Path, seed: int = 0, tokenizer=None, version: str = "2.5") -> Path:
-    """A tiny Qwen2.5-VL (``version="2.5"``) or Qwen2-VL (``"2"``) with its processor for images alone."""
+    """A tiny Qwen3.5 (``version="3.5"``), Qwen2.5-VL (``"2.5"``) or Qwen2-VL (``"2"``) with its processor for images
+    alone."""
     import transformers
 
     images_only_qwen_vl()
@@ -167,24 +171,41 @@ def save_tiny_qwen_vl(path: str | Path, seed: int = 0, tokenizer=None, version: 
     tokenizer.add_special_tokens({"additional_special_tokens": QWEN_VL_TOKENS})
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN_VL_TOKENS}
     text = _text_config(tokenizer, rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2]})
-    shared = dict(num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
-    if version == "2.5":
+    shared = dict(num_heads=2, spatial_merge_size=2, temporal_patch_size=2)
+    patch = 14
+    if version == "3.5":
+        classes = ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", "Qwen3VLProcessor")
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2], "mrope_interleaved": True,
+                "partial_rotary_factor": 1.0}  # fmt: skip
+        text = _text_config(tokenizer, rope_parameters=rope, layer_types=["linear_attention", "full_attention"],
+                            linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+                            linear_value_head_dim=8)  # fmt: skip
+        patch = 16
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, out_hidden_size=32, num_position_embeddings=64,
+                      patch_size=patch, **shared)  # fmt: skip
+    elif version == "2.5":
         classes = ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor")
         # layer 0 attends within windows, layer 1 across the image
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=32, window_size=28,
-                      fullatt_block_indexes=[1], **shared)  # fmt: skip
+                      fullatt_block_indexes=[1], patch_size=patch, **shared)  # fmt: skip
     else:
         classes = ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor")
-        vision = dict(depth=1, embed_dim=32, hidden_size=32, mlp_ratio=2, **shared)
+        vision = dict(depth=1, embed_dim=32, hidden_size=32, mlp_ratio=2, patch_size=patch, **shared)
     config_class, model_class, processor_class = (getattr(transformers, name) for name in classes)
     config = config_class(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                           vision_end_token_id=ids["<|vision_end|>"])  # fmt: skip
     torch.manual_seed(seed)
     model = model_class(config)
-    images = transformers.Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)
+    merged = (2 * patch) ** 2  # the pixels of one image token: 2x2 patches
+    images = transformers.Qwen2VLImageProcessorPil(patch_size=patch, merge_size=2, min_pixels=merged * 4,
+                                                   max_pixels=merged * 16)  # fmt: skip
     processor = processor_class(image_processor=images, tokenizer=tokenizer, chat_template=tokenizer.chat_template)
     return _saved(path, model, processor)
+
+
+def save_tiny_qwen3_5(path: str | Path, seed: int = 0, tokenizer=None) -> Path:
+    return save_tiny_qwen_vl(path, seed, tokenizer, version="3.5")
 
 
 def images_only_qwen_vl() -> None:
@@ -196,7 +217,7 @@ def images_only_qwen_vl() -> None:
 
     if importlib.util.find_spec("torchvision") is not None:
         return
-    for cls in (transformers.Qwen2VLProcessor, transformers.Qwen2_5_VLProcessor):
+    for cls in (transformers.Qwen2VLProcessor, transformers.Qwen2_5_VLProcessor, transformers.Qwen3VLProcessor):
         if "video_processor" in cls.get_attributes():
             base = cls.get_attributes.__func__
             cls.get_attributes = classmethod(lambda c, base=base: [a for a in base(c) if a != "video_processor"])

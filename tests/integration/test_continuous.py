@@ -374,3 +374,42 @@ def test_slot_rows_under_random_arrivals_budgets_eos_and_swaps_keep_their_layout
                     torch.testing.assert_close(torch.tensor(logps)[mine], expected, atol=1e-5, rtol=0)
                     checked += len(mine)
     assert checked > 300
+
+
+def build_tiny_hybrid_model(tok, seed=0):
+    """A Qwen3.5 language model of a linear-attention (gated delta rule) layer and a full-attention one: its cache
+    holds a recurrent state beside keys and values, which neither the slot loop nor transformers' paged cache holds."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    config = Qwen3_5TextConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=256,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+    )  # fmt: skip
+    return Qwen3_5ForCausalLM(config)
+
+
+def test_a_linear_attention_model_trains_in_static_batches_and_continuous_batching_is_refused_at_construction(
+    tmp_path,
+):
+    """A Qwen3.5 language model (GRPOTrainer trains it; its cache keeps a recurrent state for the linear-attention
+    layer): the workers' static batches sample it exactly (every ratio 1 at staleness 0), while continuous batching,
+    whose paged cache cannot hold that state, is refused when the trainer is built rather than in a worker."""
+    tok = build_char_tokenizer()
+    build_tiny_hybrid_model(tok).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    model = str(tmp_path / "model")
+    args = async_args(tmp_path, max_steps=2, max_staleness=0, use_transformers_continuous_batching=True)
+    with pytest.raises(ValueError, match="use_transformers_continuous_batching=True cannot serve .*linear_attention"):
+        AsyncGRPOTrainer(model=model, reward_funcs=letter_reward, args=args, train_dataset=text_dataset())
+    args = async_args(tmp_path, max_steps=2, max_staleness=0, learning_rate=0.05)
+    trainer = AsyncGRPOTrainer(model=model, reward_funcs=letter_reward, args=args, train_dataset=text_dataset())
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "linear_attn" in n}
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "is/ratio_min" in h]
+    assert len(logs) == 2
+    for h in logs:
+        assert abs(h["is/ratio_min"] - 1) < 1e-3 and abs(h["is/ratio_max"] - 1) < 1e-3, h
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.model.named_parameters() if n in before)

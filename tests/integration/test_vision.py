@@ -15,6 +15,7 @@ from tests.vision_model import (
     save_tiny_gemma3,
     save_tiny_llava,
     save_tiny_llava_next,
+    save_tiny_qwen3_5,
     save_tiny_qwen_vl,
 )
 from trl_async import AsyncGRPOTrainer
@@ -66,13 +67,16 @@ def test_a_vision_language_model_trains_with_every_ratio_one_at_staleness_0(tmp_
 
 
 @pytest.mark.parametrize(
-    "save", [save_tiny_gemma3, save_tiny_llava_next, save_tiny_qwen_vl], ids=["gemma3", "llava_next", "qwen2_5_vl"]
+    "save",
+    [save_tiny_gemma3, save_tiny_llava_next, save_tiny_qwen_vl, save_tiny_qwen3_5],
+    ids=["gemma3", "llava_next", "qwen2_5_vl", "qwen3_5"],
 )
 def test_processors_with_per_token_fields_or_tiles_train_with_every_ratio_one_at_staleness_0(tmp_path, save):
     """Gemma 3's processor gives ``token_type_ids`` (one per prompt token), LLaVA-NeXT's tiles each image by its
-    shape (16x16: 3 tiles, 48x40: 5), Qwen2.5-VL's flattens a size-dependent number of patches and marks image tokens
-    in ``mm_token_type_ids`` (3-D rotary positions): the workers batch prompts of both sizes together, padded as
-    GRPOTrainer's batch is, and sample exactly what the trainer's forward gives for the same inputs."""
+    shape (16x16: 3 tiles, 48x40: 5), Qwen2.5-VL's and Qwen3.5's flatten a size-dependent number of patches and mark
+    image tokens in ``mm_token_type_ids`` (3-D rotary positions; Qwen3.5's language model has a linear-attention
+    layer, whose cache is a recurrent state, not keys and values): the workers batch prompts of both sizes together,
+    padded as GRPOTrainer's batch is, and sample exactly what the trainer's forward gives for the same inputs."""
     model_dir = str(save(tmp_path / "model"))
     rows = Dataset.from_list(
         [{"prompt": [{"role": "user", "content": f"what is {i}?"}],
@@ -92,7 +96,9 @@ def test_processors_with_per_token_fields_or_tiles_train_with_every_ratio_one_at
 
 
 @pytest.mark.parametrize(
-    "save", [save_tiny_gemma3, save_tiny_llava_next, save_tiny_qwen_vl], ids=["gemma3", "llava_next", "qwen2_5_vl"]
+    "save",
+    [save_tiny_gemma3, save_tiny_llava_next, save_tiny_qwen_vl, save_tiny_qwen3_5],
+    ids=["gemma3", "llava_next", "qwen2_5_vl", "qwen3_5"],
 )
 def test_the_workers_batch_is_the_processors_batch_of_the_same_rows(tmp_path, save):
     """Rows rendered one at a time by the processor (as the pool renders them) and batched by a worker give the model

@@ -107,6 +107,22 @@ def test_the_slot_loop_takes_full_attention_models_on_a_cpu_and_leaves_the_rest_
     assert continuous_engine("cpu", full, {"scheduler_type": "fifo"}) is ContinuousRows  # the user configured it
 
 
+def test_the_paged_engine_holds_full_and_sliding_attention_and_names_the_layers_it_cannot_hold():
+    from transformers import MistralConfig, Qwen3_5Config, Qwen3_5TextConfig
+
+    from trl_async.engines.transformers.continuous import paged_cache_blocker
+
+    sliding = MistralConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            sliding_window=8)  # fmt: skip
+    hybrid = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+                  layer_types=["linear_attention", "full_attention"] * 2)  # fmt: skip
+    assert paged_cache_blocker(sliding) is None
+    assert paged_cache_blocker(Qwen3_5TextConfig(**{**hybrid, "layer_types": ["full_attention"] * 4})) is None
+    assert "linear_attention" in paged_cache_blocker(Qwen3_5TextConfig(**hybrid))
+    # a vision-language model's language model is what generates
+    assert "linear_attention" in paged_cache_blocker(Qwen3_5Config(text_config=hybrid))
+
+
 def test_a_cache_layer_writes_each_step_in_place_and_doubles_when_out_of_room():
     keys = torch.arange(2 * 1 * 3 * 1, dtype=torch.float).view(2, 1, 3, 1)
     cache = columns_cache([(keys, -keys)], width=4, room=1)  # right-aligned at 4: one zero column in front

@@ -17,6 +17,7 @@ from transformers.utils import logging
 from trl.data_utils import is_conversational
 
 from ..correction.generation_modes import continuous_blocker, refused_generation, refused_paged_settings
+from ..engines.transformers.continuous import paged_cache_blocker
 from ..engines.transformers.slots import SlotRows, continuous_engine
 from ..hardware.precision import emulated_precision_warning
 from ..rollout.staleness import default_queue_size
@@ -183,6 +184,13 @@ def check_after_loading(setup: Loaded) -> None:
             base = setup.model
             engine = continuous_engine(setup.async_args.rollout_device or "cpu", base.config,
                                        setup.args.transformers_continuous_batching_config)  # fmt: skip
+            unheld = None if engine is SlotRows else paged_cache_blocker(base.config)
+            if unheld is not None:
+                raise ValueError(
+                    f"GRPOConfig.use_transformers_continuous_batching=True cannot serve this model: {unheld}, which "
+                    "transformers' paged cache does not hold (GRPOTrainer's continuous batching fails on it too). "
+                    "Set it to False: the workers generate in static batches"
+                )
             blocker = continuous_blocker(setup.generation_config, slot_loop=engine is SlotRows)
             if blocker is not None:
                 raise ValueError(

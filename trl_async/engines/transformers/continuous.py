@@ -51,6 +51,22 @@ def paged_settings(slots: int, max_context: int, given: dict | None = None) -> d
     return {**sized, **given, **required}
 
 
+def paged_cache_blocker(model_config: Any) -> str | None:
+    """Why transformers' paged cache cannot hold this model's layers (its language model's, for a vision-language
+    model), or ``None``: it holds full and sliding-window attention, not linear attention's recurrent state."""
+    try:
+        from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
+    except ImportError:  # another layout of transformers: the engine says so itself when it starts
+        return None
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    try:
+        group_layers_by_attn_type(text)
+    except ValueError as exc:
+        kinds = sorted(set(getattr(text, "layer_types", None) or ()))
+        return f"its layers are {', '.join(kinds) or 'of a kind'} ({exc})"
+    return None
+
+
 def continuous_slots(enabled: bool, groups_per_call: int, num_generations: int) -> int:
     """Rows a worker decodes at once: the rollout batch in rows with continuous batching, 0 for static batches."""
     return groups_per_call * num_generations if enabled else 0
