@@ -17,10 +17,14 @@
 ``fsdp2`` (the main track, beside the verdicts): accelerate's FSDP2 (``recipes/accelerate/fsdp2.yaml`` launched with
 one process) with the transformers workers on the same GPU, at ``max_staleness`` 0:
 
-- every parameter is a ``DTensor`` on the GPU; each sync gathers them bucket by bucket (``full_tensor()``);
-- every adoption is verified by the workers' hash (``rollout_verify_weights``), and after training the workers'
-  last weights equal accelerate's gathered state dict exactly;
-- every token's importance ratio is within 1e-3 of 1 (at staleness 0 the workers sample with the weights trained on).
+- every parameter is a ``DTensor`` on the GPU; each sync gathers them in several buckets (``full_tensor()``);
+- every adoption is verified by the workers' hash (``rollout_verify_weights``), and after training the last
+  published weights equal accelerate's gathered state dict exactly, every trained tensor moved;
+- every token's importance ratio is within 1e-3 of 1 (at staleness 0 the workers sample with the weights trained on),
+  and no token lacks a log-prob.
+
+With one process a shard is its whole tensor: this verdict covers FSDP2 on CUDA (NCCL, the device's DTensors, the
+workers beside the trainer on one GPU), not the gather across ranks, which the 2-process CPU tests cover.
 
 Either way the weights must have moved (else an equality proves nothing). The JSON verdict goes to ``--out``.
 ``--device cpu`` runs the same on a CPU (the plan's rehearsal: gloo instead of NCCL, nothing can be off a device, and
@@ -50,7 +54,8 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl_async.engines.vllm.client import VLLMServer
-from trl_async.weights.policy import shard_resident
+from trl_async.weights.buckets import plan_buckets
+from trl_async.weights.policy import policy_units, shard_resident
 
 
 def reward(completions, **kwargs):
@@ -204,7 +209,7 @@ def fsdp2(out_path: str, model_dir: str, steps: int, device: str) -> None:
         use_cpu=device == "cpu",
         max_staleness=0,
         rollout_verify_weights=True,
-        weight_sync_bucket_mb=1.0,  # several buckets even for a tiny model: one gathered at a time
+        weight_sync_bucket_mb=0.05,  # several buckets even for a tiny model: one gathered at a time
     )
     dataset = Dataset.from_list([{"prompt": f"q{i}:"} for i in range(32)])
     kept = KeepPublished()
@@ -221,6 +226,9 @@ def fsdp2(out_path: str, model_dir: str, steps: int, device: str) -> None:
     staleness = staleness_seen(logs)
     lows = [h["is/ratio_min"] for h in logs if "is/ratio_min" in h]
     highs = [h["is/ratio_max"] for h in logs if "is/ratio_max" in h]
+    nans = sum(h.get("is/behaviour_nan", 0) for h in logs)  # a token without a log-prob would count as ratio 1
+    units = policy_units(trainer.accelerator.unwrap_model(trainer.model), False, "full")
+    buckets = len(plan_buckets([u.nbytes for u in units], int(args.weight_sync_bucket_mb * 2**20)))
     pool = trainer.last_rollout_pool
     trainer.accelerator.wait_for_everyone()
     if not trainer.accelerator.is_main_process:
@@ -239,11 +247,14 @@ def fsdp2(out_path: str, model_dir: str, steps: int, device: str) -> None:
         "staleness_max": max(staleness) if staleness else None,
         "is_ratio_min": lows,
         "is_ratio_max": highs,
+        "behaviour_nan": nans,
+        "buckets_per_sync": buckets,
         "verified_adoptions": pool.verified_adoptions,
         "compared": len(compared),
         "not_compared": [n for n in published if n not in full],
         "mismatches": mismatches,
-        "moved": sum(not torch.equal(full[n].float().cpu(), initial[n]) for n in full if n in initial),
+        # every trained tensor moved: the equalities above compare trained weights, not the initial ones
+        "unmoved": [n for n in compared if torch.equal(full[n].float().cpu(), initial[n])],
     }
     ok = (
         verdict["steps"] == steps
@@ -254,10 +265,12 @@ def fsdp2(out_path: str, model_dir: str, steps: int, device: str) -> None:
         and max(staleness) == 0
         and lows
         and all(abs(r - 1) < 1e-3 for r in lows + highs)
+        and nans == 0
+        and buckets > 1
         and verdict["verified_adoptions"] >= steps
         and len(compared) == len(params)
         and not mismatches
-        and verdict["moved"] > 0
+        and not verdict["unmoved"]
     )
     verdict["ok"] = bool(ok)
     write_verdict(out_path, verdict)

@@ -77,6 +77,9 @@ class Runner:
         self.side_over, self.stop_side = threading.Event(), threading.Event()
         self.model = str(stage / "model") if dry else None  # the real model's path (the tiny one in a rehearsal)
         self.tiny = str(stage / "tiny")
+        # the FSDP2 verdict's model, then its mark (made by whichever track needs it first)
+        self.make_tiny_fsdp2 = (f"save_tiny_model({str(stage / 'tiny_fsdp2')!r}, hidden_size=64, num_heads=2); "
+                                f"open({str(stage / 'tiny_fsdp2.done')!r}, 'w').close()")  # fmt: skip
 
     # ---- plumbing -----------------------------------------------------------------------------------------------
     def env(self) -> dict:
@@ -224,7 +227,8 @@ class Runner:
     def phase_verdict_server(self, phase: Phase, box: float) -> dict:
         size = "hidden_size=64, num_heads=2" if self.dry else "hidden_size=256, num_heads=4"
         made = self.command(phase, self.python("-c", f"from trl_async.demo.tiny import save_tiny_model; "
-                                                      f"save_tiny_model({self.tiny!r}, {size})"), box)  # fmt: skip
+                                                      f"save_tiny_model({self.tiny!r}, {size}); "
+                                                      f"{self.make_tiny_fsdp2}"), box)  # fmt: skip
         if made["status"] != "ok":
             return made
         return self.start_server(phase, "verdict", self.tiny, box, speed=False)
@@ -344,11 +348,11 @@ class Runner:
         """accelerate's FSDP2 (the shipped recipe, one process) with the transformers workers on a tiny model of its
         own: a verdict (benchmarks/gpu_check.py), run beside the side track's."""
         end, tiny = time.time() + box, self.stage / "tiny_fsdp2"
-        made = self.command(phase, self.python("-c", f"from trl_async.demo.tiny import save_tiny_model; "
-                                                      f"save_tiny_model({str(tiny)!r}, hidden_size=64, num_heads=2)"),
-                            box)  # fmt: skip
-        if made["status"] != "ok":
-            return made
+        if not (self.stage / "tiny_fsdp2.done").exists():  # the side track makes it when it makes its own
+            made = self.command(phase, self.python("-c", f"from trl_async.demo.tiny import save_tiny_model; "
+                                                          f"{self.make_tiny_fsdp2}"), box)  # fmt: skip
+            if made["status"] != "ok":
+                return made
         out = self.results / "fsdp2.verdict.json"
         argv = self.python("-m", "accelerate.commands.launch", "--config_file", str(REPO / "recipes/accelerate/fsdp2.yaml"),
                            "--num_processes", "1", "--main_process_port", str(free_port()), str(HERE / "gpu_check.py"),

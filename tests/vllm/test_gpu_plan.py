@@ -41,11 +41,13 @@ def test_the_gpu_plan_runs_end_to_end_on_a_cpu_and_an_overrun_phase_is_cut_while
     verdict = phases["zero3"]["verdict"]
     assert verdict["ok"] and all(verdict["greedy_matches"]) and len(verdict["reattached"]) == 1
     assert verdict["steps"] == 6 and verdict["zero3_params"] > 0 and verdict["greedy_moved"]
-    # FSDP2 (one process, the shipped recipe) with the transformers workers: every parameter sharded, every adoption
-    # verified, the workers' last weights the gathered ones, every ratio 1 at staleness 0
+    # FSDP2 (one process, the shipped recipe) with the transformers workers: every parameter sharded, several buckets
+    # per sync, every adoption verified, the last published weights the gathered ones, every trained tensor moved,
+    # every ratio 1 at staleness 0 and none from a missing log-prob
     fsdp2 = phases["fsdp2"]["verdict"]
     assert fsdp2["ok"] and fsdp2["fsdp_version"] == 2 and fsdp2["sharded_params"] == fsdp2["params"] > 0
-    assert fsdp2["compared"] == fsdp2["params"] and not fsdp2["mismatches"] and fsdp2["verified_adoptions"] >= 4
+    assert fsdp2["compared"] == fsdp2["params"] and not fsdp2["mismatches"] and not fsdp2["unmoved"]
+    assert fsdp2["verified_adoptions"] >= 4 and fsdp2["buckets_per_sync"] > 1 and fsdp2["behaviour_nan"] == 0
 
     # the calls: the model, last to travel, arrived with call 4; each piece was unpacked once, when complete
     calls = plan["calls"]
