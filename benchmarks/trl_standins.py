@@ -1,8 +1,8 @@
 """Local stand-ins for the Hub names TRL's GRPOTrainer tests load (``trl-internal-testing/...``), under the same
 names: the "zen" prompt datasets from the Zen of Python (text; one image per row; several images per row), and small,
 randomly initialised models of the same classes (Qwen2, Gemma 2 and a Llama classifier with SmolLM2's tokenizer; Qwen3
-and Qwen3-MoE with the same tokenizer speaking Qwen3's chat template; Gemma 3, LLaVA-NeXT, Qwen2-VL and Qwen2.5-VL built
-by ``tests/vision_model.py``, with SmolLM2's tokenizer)."""
+and Qwen3-MoE with the same tokenizer speaking Qwen3's chat template; Gemma 3, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL,
+Qwen3.5 and Qwen3.5-MoE built by ``tests/vision_model.py``, with SmolLM2's tokenizer)."""
 
 from __future__ import annotations
 
@@ -165,7 +165,8 @@ def build_zen_images(hub: Path) -> None:
 
 
 def build_vision_models(hub: Path) -> None:
-    """Tiny Gemma 3, LLaVA-NeXT, Qwen2-VL and Qwen2.5-VL under TRL's test names, with SmolLM2's tokenizer."""
+    """Tiny Gemma 3, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3.5 and Qwen3.5-MoE under TRL's test names, with SmolLM2's
+    tokenizer."""
     sys.path.insert(0, str(ROOT))
     from tests.vision_model import save_tiny_gemma3, save_tiny_llava_next, save_tiny_qwen_vl
 
@@ -173,3 +174,6 @@ def build_vision_models(hub: Path) -> None:
     save_tiny_llava_next(hub / "tiny-LlavaNextForConditionalGeneration", tokenizer=smollm2_tokenizer())
     save_tiny_qwen_vl(hub / "tiny-Qwen2VLForConditionalGeneration", tokenizer=smollm2_tokenizer(), version="2")
     save_tiny_qwen_vl(hub / "tiny-Qwen2_5_VLForConditionalGeneration", tokenizer=smollm2_tokenizer())
+    for name, version in (("Qwen3_5ForConditionalGeneration-NoThink", "3.5"),
+                          ("Qwen3_5MoeForConditionalGeneration-3.6", "3.5-moe")):  # fmt: skip
+        save_tiny_qwen_vl(hub / f"tiny-{name}", tokenizer=smollm2_tokenizer(), version=version)

@@ -162,8 +162,8 @@ QWEN_VL_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|vide
 
 
 def save_tiny_qwen_vl(path: str | Path, seed: int = 0, tokenizer=None, version: str = "2.5") -> Path:
-    """A tiny Qwen3.5 (``version="3.5"``), Qwen2.5-VL (``"2.5"``) or Qwen2-VL (``"2"``) with its processor for images
-    alone."""
+    """A tiny Qwen3.5 (``version="3.5"``; ``"3.5-moe"``: its mixture of experts), Qwen2.5-VL (``"2.5"``) or Qwen2-VL
+    (``"2"``) with its processor for images alone."""
     import transformers
 
     images_only_qwen_vl()
@@ -173,13 +173,15 @@ def save_tiny_qwen_vl(path: str | Path, seed: int = 0, tokenizer=None, version: 
     text = _text_config(tokenizer, rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2]})
     shared = dict(num_heads=2, spatial_merge_size=2, temporal_patch_size=2)
     patch = 14
-    if version == "3.5":
-        classes = ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", "Qwen3VLProcessor")
+    if version.startswith("3.5"):
+        name = "Qwen3_5Moe" if version == "3.5-moe" else "Qwen3_5"
+        classes = (f"{name}Config", f"{name}ForConditionalGeneration", "Qwen3VLProcessor")
         rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2], "mrope_interleaved": True,
                 "partial_rotary_factor": 1.0}  # fmt: skip
+        moe = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
         text = _text_config(tokenizer, rope_parameters=rope, layer_types=["linear_attention", "full_attention"],
                             linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
-                            linear_value_head_dim=8)  # fmt: skip
+                            linear_value_head_dim=8, **(moe if version == "3.5-moe" else {}))  # fmt: skip
         patch = 16
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, out_hidden_size=32, num_position_embeddings=64,
                       patch_size=patch, **shared)  # fmt: skip
