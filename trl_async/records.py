@@ -22,7 +22,7 @@ class RolloutTask:
     """
 
     group_id: int
-    prompt_index: int  # row of ``train_dataset``
+    prompt_index: int  # row of ``train_dataset`` (an iterable dataset's: the row's draw number)
     prompt_ids: tuple[int, ...]
     admitted_at_version: int
     # a later turn of multi-turn episodes (tools): one full context per row (prompt + the episode's completion so

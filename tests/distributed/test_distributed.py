@@ -32,7 +32,7 @@ LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
 @pytest.mark.parametrize(
     "config,extra",
     [
-        ("ddp", ["--use_cpu"]),
+        ("ddp", ["--use_cpu", "--iterable"]),  # the prompts from an IterableDataset (map-style: the others)
         ("zero2", []),
         ("zero3", []),
         ("zero3", ["--peft"]),
@@ -41,7 +41,7 @@ LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
         ("fsdp2", ["--fsdp_on_cpu", "--peft"]),
         ("fsdp2", ["--fsdp_on_cpu", "--peft", "--lora_sync", "merged"]),
     ],
-    ids=["ddp", "zero2", "zero3", "zero3-lora", "zero3-offload", "fsdp2", "fsdp2-lora", "fsdp2-lora-merged"],
+    ids=["ddp-iterable", "zero2", "zero3", "zero3-lora", "zero3-offload", "fsdp2", "fsdp2-lora", "fsdp2-lora-merged"],
 )
 def test_two_process_training_syncs_exact_weights(tmp_path, tiny_model_dir, config, extra):
     out = tmp_path / "result.json"

@@ -36,6 +36,7 @@ def main():
     parser.add_argument("--resume", action="store_true", help="save at step 2, then train to the end from there")
     parser.add_argument("--fsdp_on_cpu", action="store_true", help="FSDP on CPU ranks (tests/distributed/fsdp_cpu.py)")
     parser.add_argument("--control", action="store_true", help="then GRPOTrainer itself, in the same launch")
+    parser.add_argument("--iterable", action="store_true", help="the prompts as an IterableDataset")
     cli = parser.parse_args()
     if cli.fsdp_on_cpu:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -76,6 +77,8 @@ def main():
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     ds = Dataset.from_list([{"prompt": f"p{i}:"} for i in range(16)])
+    if cli.iterable:
+        ds = ds.to_iterable_dataset()
     callbacks = []
     if cli.stall_rank1:
         import time

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import torch
-from datasets import Dataset, IterableDataset
+from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config
 from trl import GRPOConfig
 
@@ -311,14 +311,9 @@ def test_fsdp1_and_quantized_models_are_refused_before_loading_anything(tmp_path
         AsyncGRPOTrainer(**common, args=async_args(tmp_path))
 
 
-def test_contradicting_engines_and_iterable_datasets_fail_at_construction(tmp_path, tiny_model_dir):
+def test_contradicting_engines_fail_at_construction(tmp_path, tiny_model_dir):
     with pytest.raises(ValueError, match="rollout_backend='transformers' contradicts use_vllm=True"):
         async_args(tmp_path, use_vllm=True, rollout_backend="transformers")
-    stream = IterableDataset.from_generator(lambda: iter([{"prompt": "a"}]))
-    with pytest.raises(NotImplementedError, match="map-style"):
-        AsyncGRPOTrainer(
-            model=tiny_model_dir, reward_funcs=length_reward, args=async_args(tmp_path), train_dataset=stream
-        )
 
 
 def test_too_small_queue_fails_at_construction(tmp_path, tiny_model_dir):

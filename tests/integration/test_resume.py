@@ -1,5 +1,6 @@
 """Checkpoint and resume: N steps straight vs N/2, resume from the checkpoint, N/2 more."""
 
+import pytest
 from transformers import TrainerCallback
 
 from trl_async import AsyncGRPOTrainer
@@ -13,18 +14,21 @@ class RecordingTrainer(AsyncGRPOTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.consumed: list[tuple[int, list[int], int]] = []  # (step, prompt indices, oldest token version)
+        self.prompt_ids: list[tuple[int, ...]] = []  # every consumed group's prompt, in order
 
     def _forward_reward_logs(self, rows):
         groups = [g.group for g, j in rows if j == 0]
         oldest = min(min(g.token_versions) for g in groups)
         self.consumed.append((self.state.global_step, [g.prompt_index for g in groups], oldest))
+        self.prompt_ids += [g.prompt_ids for g in groups]
         return super()._forward_reward_logs(rows)
 
 
-def _train(model_dir, out, stop_at=None, resume=None, **overrides):
+def _train(model_dir, out, stop_at=None, resume=None, iterable=False, **overrides):
     settings = dict(max_steps=4, max_staleness=1, save_strategy="steps", save_steps=2, seed=3)
     args = async_args(out, **{**settings, **overrides})
-    trainer = RecordingTrainer(model=model_dir, reward_funcs=letter_reward, args=args, train_dataset=text_dataset(12))
+    data = text_dataset(12).to_iterable_dataset() if iterable else text_dataset(12)
+    trainer = RecordingTrainer(model=model_dir, reward_funcs=letter_reward, args=args, train_dataset=data)
     if stop_at is not None:  # stop after the checkpoint at step 2, as a pre-empted job would
 
         class StopAt(TrainerCallback):
@@ -37,12 +41,16 @@ def _train(model_dir, out, stop_at=None, resume=None, **overrides):
     return trainer
 
 
-def test_resume_consumes_the_same_prompts_with_continuous_versions(tmp_path, tiny_model_dir):
-    straight = _train(tiny_model_dir, tmp_path / "straight")
-    first = _train(tiny_model_dir, tmp_path / "split", stop_at=2)
+@pytest.mark.parametrize("iterable", [False, True], ids=["map-style", "iterable"])
+def test_resume_consumes_the_same_prompts_with_continuous_versions(tmp_path, tiny_model_dir, iterable):
+    """Also for an ``IterableDataset`` (a streaming one), whose rows are read in GRPOTrainer's order for it and kept
+    by draw number: the resumed run reads the stream again and skips exactly what was trained."""
+    straight = _train(tiny_model_dir, tmp_path / "straight", iterable=iterable)
+    first = _train(tiny_model_dir, tmp_path / "split", stop_at=2, iterable=iterable)
     checkpoint = tmp_path / "split" / "checkpoint-2"
     assert checkpoint.is_dir()
-    second = _train(tiny_model_dir, tmp_path / "split", resume=str(checkpoint))
+    second = _train(tiny_model_dir, tmp_path / "split", resume=str(checkpoint), iterable=iterable)
+    assert first.prompt_ids + second.prompt_ids == straight.prompt_ids  # the same rows, not only the same positions
 
     assert [s for s, _, _ in straight.consumed] == [0, 1, 2, 3]
     assert [s for s, _, _ in first.consumed] == [0, 1] and [s for s, _, _ in second.consumed] == [2, 3]

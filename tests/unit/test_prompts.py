@@ -60,3 +60,64 @@ def test_a_pushed_back_prompt_keeps_its_position():
     assert [stream.next() for _ in range(3)] == [(0, 0), (1, 1), (2, 2)]
     stream.push_front(1, 1)
     assert [stream.next() for _ in range(2)] == [(1, 1), (3, 3)]
+
+
+def _stream_of(n: int):
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": f"p{i}"} for i in range(n)]).to_iterable_dataset()
+
+
+def test_an_iterable_datasets_rows_come_in_grpo_trainers_order_for_it_epoch_after_epoch():
+    from trl.trainer.utils import repeat_iterable_dataset
+
+    from trl_async.rollout.prompts import StreamedRows
+
+    # unshuffled, worked by hand: 7 rows in generation batches of 3, the incomplete last batch (row 6) dropped
+    plain = StreamedRows(_stream_of(7), 3, shuffle=False, seed=0)
+    stream = PromptStream(plain, 3, shuffle=False, seed=0)
+    drawn = [stream.next() for _ in range(12)]
+    assert [position for position, _ in drawn] == list(range(12))  # a row is its draw number, which is its position
+    assert [plain[row]["prompt"] for _, row in drawn] == [f"p{i}" for i in (0, 1, 2, 3, 4, 5)] * 2
+    # shuffled: GRPOTrainer's loop reads the stream shuffled with its seed, reshuffled each epoch (set_epoch)
+    expected = []
+    for epoch in range(3):
+        order = repeat_iterable_dataset(_stream_of(7).shuffle(seed=5), mini_repeat_count=1, batch_size=3)
+        order.set_epoch(epoch)
+        expected += [row["prompt"] for row in order]
+    shuffled = StreamedRows(_stream_of(7), 3, shuffle=True, seed=5)
+    stream = PromptStream(shuffled, 3, shuffle=True, seed=5)
+    got = [shuffled[stream.next()[1]]["prompt"] for _ in range(18)]
+    assert got == expected and got[:6] != got[6:12]  # reshuffled: a real check
+
+
+def test_a_streamed_row_is_kept_until_trained_on_and_a_resumed_stream_skips_what_was():
+    from trl_async.rollout.prompts import StreamedRows
+
+    rows = StreamedRows(_stream_of(12), 2, shuffle=False, seed=0)
+    stream = PromptStream(rows, 2, shuffle=False, seed=0)
+    drawn = [stream.next() for _ in range(4)]
+    assert len(rows) == 4
+    stream.push_front(*drawn[1])  # dropped as too stale: generated again, its row still there
+    assert stream.next() == drawn[1] and rows[1]["prompt"] == "p1"
+    stream.taken([0, 1], version=0)
+    assert len(rows) == 2  # trained on: released
+    # resumed from progress: positions 0-1 and 3 were trained; 2, 4, 5 come next, with their own rows
+    again = StreamedRows(_stream_of(12), 2, shuffle=False, seed=0)
+    resumed = PromptStream(again, 2, shuffle=False, seed=0, progress={"next_position": 2, "consumed_after": [3]})
+    assert [(p, again[r]["prompt"]) for p, r in (resumed.next() for _ in range(3))] == [
+        (2, "p2"),
+        (4, "p4"),
+        (5, "p5"),
+    ]
+    assert len(again) == 3  # the skipped rows were not kept
+
+
+def test_an_iterable_dataset_too_short_for_one_generation_batch_is_named():
+    import pytest
+
+    from trl_async.rollout.prompts import StreamedRows
+
+    stream = PromptStream(StreamedRows(_stream_of(2), 3, shuffle=False, seed=0), 3, shuffle=False, seed=0)
+    with pytest.raises(ValueError, match="train_dataset has fewer rows but one generation batch needs 3"):
+        stream.next()

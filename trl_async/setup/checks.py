@@ -131,11 +131,6 @@ def refuse_before_loading(
         )
     if train_dataset is not None and not isinstance(train_dataset, IterableDataset) and len(train_dataset) == 0:
         raise ValueError("train_dataset is empty: AsyncGRPOTrainer needs at least one prompt to generate from.")
-    if isinstance(train_dataset, IterableDataset):
-        raise NotImplementedError(
-            "AsyncGRPOTrainer needs a map-style `train_dataset` (rollout workers read prompts ahead of the trainer "
-            "by index); convert it with `Dataset.from_generator` or `datasets.Dataset.from_list`."
-        )
 
 
 @dataclass(frozen=True)
@@ -201,7 +196,10 @@ def check_after_loading(setup: Loaded) -> None:
             if refused is not None:  # a plain GRPOConfig's (an AsyncGRPOConfig refused it when it was built)
                 raise ValueError(f"GRPOConfig.transformers_continuous_batching_config is invalid: {refused}")
     data = setup.train_dataset
-    if setup.tools and data is not None and "prompt" in data.column_names and not is_conversational(data[0]):
+    first = None
+    if setup.tools and data is not None:  # its first row (an iterable dataset's first record)
+        first = next(iter(data), None) if isinstance(data, IterableDataset) else data[0]
+    if first is not None and "prompt" in first and not is_conversational(first):
         raise ValueError(
             "`tools` need conversational prompts (lists of messages): tool calls are parsed from assistant turns "
             "with the chat template's response schema (GRPOTrainer's tool loop fails on plain-text prompts too)."

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from accelerate.utils import is_peft_model
+from datasets import IterableDataset
 from transformers.utils import logging
 
 from ..correction.sampling import SamplingSettings, settings_of
@@ -24,7 +25,7 @@ from ..rollout.environments import EnvironmentPool
 from ..rollout.episodes import EpisodeRunner
 from ..rollout.filtering import SignalFilter
 from ..rollout.pool import PoolSettings, RolloutPool
-from ..rollout.prompts import PromptStream
+from ..rollout.prompts import PromptStream, StreamedRows
 from ..rollout.rollout_func import RolloutFuncRunner
 from ..rollout.scoring import RewardScorer, group_scorer
 from ..rollout.tool_calls import ToolRunner, split_tools
@@ -116,8 +117,12 @@ def start_pool(p: PoolInputs, progress: dict | None = None) -> RolloutPool:
         episodes = episode_runner_factory(p, tool_runner)
     elif p.rollout_func is not None:
         episodes = rollout_func_runner_factory(p)
+    data = p.train_dataset
+    streamed = None  # an iterable dataset: read in GRPOTrainer's order, rows kept until trained on
+    if isinstance(data, IterableDataset):
+        streamed = StreamedRows(data, geometry.groups_per_batch, p.shuffle_dataset, args.seed)
     prompts = PromptStream(
-        len(p.train_dataset),
+        len(data) if streamed is None else streamed,
         geometry.groups_per_batch,
         shuffle=p.shuffle_dataset,
         seed=args.seed,
@@ -126,7 +131,7 @@ def start_pool(p: PoolInputs, progress: dict | None = None) -> RolloutPool:
     )
     backend = vllm_backend(p) if a.rollout_backend == "vllm" else process_backend(p)
     try:
-        read_row = p.train_dataset.__getitem__  # once per admitted group (RolloutPool keeps the row)
+        read_row = (data if streamed is None else streamed).__getitem__  # once per admitted group (the pool keeps it)
         keep = None
         if a.dynamic_sampling:  # groups without signal never take a batch slot
             keep = SignalFilter(
