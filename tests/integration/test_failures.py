@@ -107,3 +107,30 @@ def test_a_rollout_batch_that_never_arrives_raises_timeout_error_after_rollout_t
     assert returned - trainer.closing_at < 10
     assert trainer.state.global_step == 0
     assert pool.lane_restarts == 0 and pool.lost_lanes == []
+
+
+def test_an_iterable_dataset_whose_stream_stalls_times_out_rather_than_hanging_the_pool(tmp_path, tiny_model_dir):
+    """The stream gives one generation batch to the rollout side, then its next read never returns (a network read
+    that hangs, say). The read is on the stream's own thread, never under the pool's lock: the first step trains,
+    the next batch's wait gives up after ``rollout_timeout_s``, and ``train`` returns and releases the workers."""
+    from datasets import IterableDataset
+
+    stalled = threading.Event()
+
+    def rows():
+        for i in range(12):
+            if i == 2 and threading.current_thread().name == "trl_async-stream":
+                stalled.set()
+                threading.Event().wait(60)  # bounded: never outlives the test session by much
+            yield {"prompt": f"q{i}:", "letter": "abcdefghijkl"[i]}
+
+    timeout_s = 10  # margin for the workers' start-up on a loaded machine
+    args = async_args(tmp_path, rollout_timeout_s=timeout_s, max_staleness=0, max_steps=3, shuffle_dataset=False)
+    stream = IterableDataset.from_generator(rows)
+    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=letter_reward, args=args, train_dataset=stream)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"rollout_timeout_s"):
+        trainer.train()
+    assert stalled.is_set() and trainer.state.global_step == 1  # the first batch trained; the second never came
+    assert time.monotonic() - start < 2 * timeout_s + 20  # not the stalled read's 60 s
+    assert no_rollout_children()

@@ -77,6 +77,7 @@ def test_an_iterable_datasets_rows_come_in_grpo_trainers_order_for_it_epoch_afte
     plain = StreamedRows(_stream_of(7), 3, shuffle=False, seed=0)
     stream = PromptStream(plain, 3, shuffle=False, seed=0)
     drawn = [stream.next() for _ in range(12)]
+    stream.close()
     assert [position for position, _ in drawn] == list(range(12))  # a row is its draw number, which is its position
     assert [plain[row]["prompt"] for _, row in drawn] == [f"p{i}" for i in (0, 1, 2, 3, 4, 5)] * 2
     # shuffled: GRPOTrainer's loop reads the stream shuffled with its seed, reshuffled each epoch (set_epoch)
@@ -88,36 +89,50 @@ def test_an_iterable_datasets_rows_come_in_grpo_trainers_order_for_it_epoch_afte
     shuffled = StreamedRows(_stream_of(7), 3, shuffle=True, seed=5)
     stream = PromptStream(shuffled, 3, shuffle=True, seed=5)
     got = [shuffled[stream.next()[1]]["prompt"] for _ in range(18)]
+    stream.close()
     assert got == expected and got[:6] != got[6:12]  # reshuffled: a real check
 
 
 def test_a_streamed_row_is_kept_until_trained_on_and_a_resumed_stream_skips_what_was():
+    import pytest
+
     from trl_async.rollout.prompts import StreamedRows
 
-    rows = StreamedRows(_stream_of(12), 2, shuffle=False, seed=0)
+    rows = StreamedRows(_stream_of(12), 2, shuffle=False, seed=0, ahead=1)
     stream = PromptStream(rows, 2, shuffle=False, seed=0)
     drawn = [stream.next() for _ in range(4)]
-    assert len(rows) == 4
     stream.push_front(*drawn[1])  # dropped as too stale: generated again, its row still there
     assert stream.next() == drawn[1] and rows[1]["prompt"] == "p1"
+    row = rows[2]
+    row["prompt"] = "changed in place"  # by a reward function, say: the next read is a fresh row
+    assert rows[2]["prompt"] == "p2"
     stream.taken([0, 1], version=0)
-    assert len(rows) == 2  # trained on: released
-    # resumed from progress: positions 0-1 and 3 were trained; 2, 4, 5 come next, with their own rows
-    again = StreamedRows(_stream_of(12), 2, shuffle=False, seed=0)
+    for released in (0, 1):  # trained on: no longer held
+        with pytest.raises(KeyError):
+            rows[released]
+    assert rows[3]["prompt"] == "p3"
+    # the reader keeps at most `ahead` rows waiting beyond those drawn: 4 drawn, 2 of them released
+    assert len(rows) <= 2 + 1 + 1  # (one more may be in the reader's hands, waiting for room)
+    stream.close()
+    # resumed from progress: positions 0-1 and 3 were trained; 2, 4, 5 come next, with their own rows, and the
+    # skipped draws are never held
+    again = StreamedRows(_stream_of(12), 2, shuffle=False, seed=0, ahead=1)
     resumed = PromptStream(again, 2, shuffle=False, seed=0, progress={"next_position": 2, "consumed_after": [3]})
-    assert [(p, again[r]["prompt"]) for p, r in (resumed.next() for _ in range(3))] == [
-        (2, "p2"),
-        (4, "p4"),
-        (5, "p5"),
-    ]
-    assert len(again) == 3  # the skipped rows were not kept
+    got = [(p, again[r]["prompt"]) for p, r in (resumed.next() for _ in range(3))]
+    assert got == [(2, "p2"), (4, "p4"), (5, "p5")]
+    for skipped in (0, 1, 3):
+        with pytest.raises(KeyError):
+            again[skipped]
+    resumed.close()
 
 
-def test_an_iterable_dataset_too_short_for_one_generation_batch_is_named():
+def test_an_iterable_dataset_too_short_for_one_generation_batch_is_named_where_the_prompt_is_drawn():
     import pytest
 
     from trl_async.rollout.prompts import StreamedRows
 
     stream = PromptStream(StreamedRows(_stream_of(2), 3, shuffle=False, seed=0), 3, shuffle=False, seed=0)
-    with pytest.raises(ValueError, match="train_dataset has fewer rows but one generation batch needs 3"):
+    with pytest.raises(ValueError, match="iterable dataset.* gave no whole generation batch in an epoch: one needs 3"):
+        stream.next()
+    with pytest.raises(ValueError, match="no whole generation batch"):  # and at every later draw
         stream.next()

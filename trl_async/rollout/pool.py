@@ -302,22 +302,21 @@ class RolloutPool(PoolReadouts, PoolScoring):
         def free_worker():
             return pick_lane(self.lanes.current, per_call, rows_per_group, handed)
 
+        def ready() -> bool:  # (an iterable dataset's reader may lag behind: prompts available)
+            new = self._ledger.room() > 0 and self._prompts.available() > 0
+            return bool(self._stop or self._error or ((self._later_turns or new) and free_worker() is not None))
+
         while True:
-            with self._cv:
-                self._cv.wait_for(
-                    lambda: (
-                        self._stop
-                        or self._error
-                        or ((self._later_turns or self._ledger.room() > 0) and free_worker() is not None)
-                    )
-                )
+            with self._cv:  # the reader does not notify this condition: poll for it
+                if not self._cv.wait_for(ready, timeout=self._prompts.poll_s):
+                    continue
                 if self._stop or self._error:
                     return
                 worker = free_worker()
                 if self._later_turns:  # finish episodes under way first: up to one call's rows of later turns
                     chunk = later_turn_chunk(self._later_turns, per_call * rows_per_group)
                 else:
-                    n = min(per_call, self._ledger.room())
+                    n = min(per_call, self._ledger.room(), self._prompts.available())
                     self._ledger.admit(n)
                     version = self._ledger.published
                     chunk = []

@@ -121,16 +121,18 @@ def start_pool(p: PoolInputs, progress: dict | None = None) -> RolloutPool:
     streamed = None  # an iterable dataset: read in GRPOTrainer's order, rows kept until trained on
     if isinstance(data, IterableDataset):
         streamed = StreamedRows(data, geometry.groups_per_batch, p.shuffle_dataset, args.seed)
-    prompts = PromptStream(
-        len(data) if streamed is None else streamed,
-        geometry.groups_per_batch,
-        shuffle=p.shuffle_dataset,
-        seed=args.seed,
-        skip_batches=start_version // geometry.steps_per_batch,  # a checkpoint without PromptProgress
-        progress=progress,
-    )
-    backend = vllm_backend(p) if a.rollout_backend == "vllm" else process_backend(p)
+    backend = None
     try:
+        prompts = PromptStream(
+            len(data) if streamed is None else streamed,
+            geometry.groups_per_batch,
+            shuffle=p.shuffle_dataset,
+            seed=args.seed,
+            skip_batches=start_version // geometry.steps_per_batch,  # a checkpoint without PromptProgress
+            progress=progress,
+        )
+        closers.append(prompts.close)
+        backend = vllm_backend(p) if a.rollout_backend == "vllm" else process_backend(p)
         read_row = (data if streamed is None else streamed).__getitem__  # once per admitted group (the pool keeps it)
         keep = None
         if a.dynamic_sampling:  # groups without signal never take a batch slot
@@ -147,7 +149,8 @@ def start_pool(p: PoolInputs, progress: dict | None = None) -> RolloutPool:
             backend, settings, prompts, read_row, make_tokenize_row(p), score_group, episodes, keep, closers
         ).start()
     except BaseException:
-        backend.close()  # colocated vLLM servers must not outlive a pool that never started
+        if backend is not None:
+            backend.close()  # colocated vLLM servers must not outlive a pool that never started
         for close in closers:
             close()
         raise

@@ -61,7 +61,7 @@ def paged_cache_blocker(model_config: Any) -> str | None:
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     try:
         group_layers_by_attn_type(text)
-    except ValueError as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever the paged cache would raise when the engine starts
         kinds = sorted(set(getattr(text, "layer_types", None) or ()))
         return f"its layers are {', '.join(kinds) or 'of a kind'} ({exc})"
     return None
